@@ -1,0 +1,52 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+DEV_STAMP := $(VENV)/.dev-installed
+CORE_STAMP := $(VENV)/.core-installed
+BENCH_STAMP := $(VENV)/.bench-installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test bench lint redis clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+$(CORE_STAMP): pyproject.toml | $(PY)
+	$(PIP) install -q -e .
+	touch $@
+
+# torch: the CPU build first (a local wheel on these machines), so the `dev` extra's
+# range is already met and pip never pulls a multi-GB CUDA build.
+$(DEV_STAMP): pyproject.toml | $(PY)
+	$(PIP) install -q "torch==2.13.0" || $(PIP) install -q torch --index-url https://download.pytorch.org/whl/cpu
+	$(PIP) install -q -e ".[dev]"
+	touch $@ $(CORE_STAMP)
+
+$(BENCH_STAMP): $(DEV_STAMP)
+	$(PIP) install -q -e ".[dev,bench]"
+	touch $@
+
+redis:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  echo "installing Debian's redis-server"; \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server >/dev/null; }
+
+demo: $(DEV_STAMP)
+	$(PY) -m jkv.demo
+
+test: $(DEV_STAMP) redis
+	$(PY) -m pytest -q -n 2 $(PYTEST_ARGS)
+
+bench: $(BENCH_STAMP)
+	$(PY) benchmarks/decode_cpu.py
+
+lint: $(DEV_STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,21 @@
+"""jkv: LLM inference for JAX whose KV cache is small, fast and honest about both.
+
+params = jkv.load("path/to/hf-or-jkv-folder")
+result = jkv.generate(params, "The capital of France is", max_new_tokens=32)
+print(result.text, result.kv_bytes)
+"""
+
+from jkv.checkpoints import convert, load
+from jkv.checkpoints import save as _save
+from jkv.generate import GenerationResult, generate, logits, stream
+from jkv.params import Params
+
+__version__ = "0.1.0"
+
+
+def save(params: Params, folder, *, overwrite: bool = False):
+    """Writes `params` (weights, config, tokenizer, name, version) to a jkv checkpoint folder."""
+    return _save(params, folder, overwrite=overwrite)
+
+
+__all__ = ["GenerationResult", "Params", "convert", "generate", "load", "logits", "save", "stream"]

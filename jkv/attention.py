@@ -1,0 +1,84 @@
+"""Attention over the KV state: append the new tokens, then attend over every valid slot.
+
+The backend switch lives here. "xla" is the plain-jnp path (the CPU default); the Pallas
+kernels plug in beside it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jkv import kv as kvlib
+
+BACKENDS = ("xla",)
+
+
+def validate_backend(backend: str | None) -> str:
+    """Resolves None to the platform default and rejects unknown names."""
+    if backend is None:
+        return "xla"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not supported; expected one of {BACKENDS}")
+    return backend
+
+
+def slot_mask(layer: kvlib.LayerKV, q_positions: jax.Array, sliding_window: int | None):
+    """`[B, K, T, S]` bool: slot s of kv head k is visible to query t of row b."""
+    s = layer.capacity
+    valid = jnp.arange(s)[None, None, :] < layer.lengths[:, :, None]  # [B, K, S]
+    delta = q_positions[:, None, :, None] - layer.positions[:, :, None, :]  # [B, K, T, S]
+    mask = valid[:, :, None, :] & (delta >= 0)
+    if sliding_window is not None:
+        mask &= delta < sliding_window
+    return mask
+
+
+def cached_attention_reference(
+    q: jax.Array, q_positions: jax.Array, layer: kvlib.LayerKV, sliding_window: int | None = None
+) -> jax.Array:
+    """Attention of q `[B, T, N, H]` over the cache (float32 math). Returns `[B, T, N, H]`.
+
+    A query with no visible slot gets zeros, never NaN.
+    """
+    b, t, n, h = q.shape
+    kh = layer.k.shape[1]
+    k, v = layer.k, layer.v
+    if layer.k_scale is not None:  # fp8: dequantise (the Pallas kernel does this on read)
+        k = k.astype(jnp.float32) * layer.k_scale[..., None].astype(jnp.float32)
+        v = v.astype(jnp.float32) * layer.v_scale[..., None].astype(jnp.float32)
+    qg = q.reshape(b, t, kh, n // kh, h)
+    scores = jnp.einsum(
+        "btkgh,bksh->bkgts", qg, k.astype(q.dtype), preferred_element_type=jnp.float32
+    ) * (h**-0.5)
+    mask = slot_mask(layer, q_positions, sliding_window)[:, :, None]  # [B, K, 1, T, S]
+    scores = jnp.where(mask, scores, -jnp.inf)
+    top = jnp.max(scores, axis=-1, keepdims=True)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    p = jnp.where(mask, jnp.exp(scores - top), 0.0)
+    denom = jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
+    out = jnp.einsum(
+        "bkgts,bksh->btkgh",
+        (p / denom).astype(q.dtype),
+        v.astype(q.dtype),
+        preferred_element_type=jnp.float32,
+    )
+    return out.reshape(b, t, n, h).astype(q.dtype)
+
+
+def make_attention(n_new: jax.Array, *, sliding_window: int | None, backend: str = "xla"):
+    """The per-layer callable the model calls: append the T new tokens, attend over the cache.
+
+    Args:
+      n_new: `[B]` int32, how many of the T tokens of each row are real (the rest is padding).
+      sliding_window: Mistral's window, or None.
+      backend: one of `BACKENDS`.
+    """
+    backend = validate_backend(backend)
+
+    def attention(layer_index, q, k, v, positions, layer: kvlib.LayerKV):
+        del layer_index
+        layer = kvlib.append(layer, k, v, positions, n_new)
+        return cached_attention_reference(q, positions, layer, sliding_window), layer
+
+    return attention

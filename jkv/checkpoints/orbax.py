@@ -1,0 +1,135 @@
+"""jkv's own checkpoint folder: orbax-saved weights + config + tokenizer + metadata.
+
+Layout of a folder written by `save` (and by `jkv convert`):
+  jkv.json        {"format": 1, "name", "version", "config": ModelConfig fields}
+  weights/        orbax checkpoint of the weights tree
+  tokenizer.json  when the params carry a tokenizer
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+
+from jkv.params import Params
+from jkv.tokenizer import Tokenizer
+from models.config import ModelConfig, RopeScaling
+
+FORMAT = 1
+MARKER = "jkv.json"
+
+
+def _config_to_json(config: ModelConfig) -> dict:
+    data = dataclasses.asdict(config)
+    data["eos_token_ids"] = list(config.eos_token_ids)
+    return data
+
+
+def _config_from_json(data: dict, source: str) -> ModelConfig:
+    data = dict(data)
+    if data.get("rope_scaling"):
+        data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
+    data["eos_token_ids"] = tuple(data.get("eos_token_ids") or ())
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{source}: unknown config field {unknown[0]!r}")
+    return ModelConfig(**data)
+
+
+def save(params: Params, folder: str | Path, *, overwrite: bool = False) -> Path:
+    """Writes `params` to `folder` (created; must be empty unless `overwrite`).
+
+    Raises:
+      ValueError: the folder exists and is not empty (and `overwrite` is False).
+    """
+    import orbax.checkpoint as ocp
+
+    folder = Path(folder).resolve()
+    if folder.exists() and any(folder.iterdir()) and not overwrite:
+        raise ValueError(f"{folder}: exists and is not empty; pass overwrite=True to replace it")
+    folder.mkdir(parents=True, exist_ok=True)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(folder / "weights", params.weights, force=True)
+        ckptr.wait_until_finished()
+    if params.tokenizer is not None:
+        params.tokenizer.save(folder / "tokenizer.json")
+    meta = {
+        "format": FORMAT,
+        "name": params.name,
+        "version": params.version,
+        "config": _config_to_json(params.config),
+    }
+    (folder / MARKER).write_text(json.dumps(meta, indent=2) + "\n")
+    return folder
+
+
+def is_saved(folder: Path) -> bool:
+    return (folder / MARKER).is_file()
+
+
+def load_saved(
+    folder: str | Path, *, name: str | None = None, dtype: str | None = None, mesh=None
+) -> Params:
+    """Loads a folder written by `save`.
+
+    Raises:
+      ValueError: unreadable metadata, a newer format, or weights that do not fit the config.
+    """
+    import orbax.checkpoint as ocp
+
+    from jkv import sharding
+    from models.llama import param_shapes
+
+    folder = Path(folder).resolve()
+    marker = folder / MARKER
+    try:
+        meta = json.loads(marker.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{marker}: cannot read jkv metadata ({e})") from None
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{marker}: format={meta.get('format')!r}; this jkv reads format {FORMAT}")
+    config = _config_from_json(meta["config"], str(marker))
+    cast = dtype is not None and dtype != config.dtype
+    if cast:
+        config = config.replace(dtype=dtype)
+
+    def target(path, leaf):
+        if mesh is None:
+            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+        names = tuple(getattr(p, "key", str(p)) for p in path)
+        return jax.ShapeDtypeStruct(
+            leaf.shape, leaf.dtype, sharding=sharding.param_sharding(names, leaf.shape, mesh)
+        )
+
+    abstract = jax.tree_util.tree_map_with_path(target, param_shapes(config))
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            weights = ckptr.restore(folder / "weights", abstract)
+    except Exception as e:  # orbax reports tree/shape mismatches in many forms; name the folder
+        raise ValueError(
+            f"{folder / 'weights'}: cannot restore weights for this config ({e})"
+        ) from None
+    tokenizer = None
+    if (folder / "tokenizer.json").is_file():
+        tokenizer = Tokenizer.from_file(
+            folder / "tokenizer.json",
+            bos_token_id=config.bos_token_id,
+            eos_token_ids=config.eos_token_ids,
+        )
+    version = meta.get("version", "")
+    if cast:  # a cast changes the bytes, so it is another version
+        from jkv.params import fingerprint
+
+        version = fingerprint(weights)
+    return Params(
+        weights=weights,
+        config=config,
+        tokenizer=tokenizer,
+        name=name or meta.get("name") or folder.name,
+        version=version,
+        mesh=mesh,
+    )

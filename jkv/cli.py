@@ -1,0 +1,194 @@
+"""The `jkv` command: generate, convert, info.
+
+A user's mistake (bad flag, bad path, bad value) prints one line to stderr and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from models.config import ModelConfig, preset
+
+KV_DTYPES = ("float32", "bfloat16", "float8_e4m3fn")
+
+
+class UsageError(Exception):
+    """A user's mistake: reported in one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse prints usage + message; we print one line
+        raise UsageError(message)
+
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--logit-keep-ratio", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None)
+    p.add_argument("--backend", default=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="jkv", description="LLM inference for JAX with a small, honest KV cache")
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+
+    g = sub.add_parser("generate", help="generate text from a prompt")
+    g.add_argument("--model", required=True, help="HF or jkv checkpoint folder")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--stream", action="store_true", help="print pieces as they decode")
+    g.add_argument("--json", action="store_true", help="print the result as JSON")
+    _add_sampling(g)
+
+    c = sub.add_parser("convert", help="convert a Hugging Face checkpoint to a jkv folder")
+    c.add_argument("hf_dir")
+    c.add_argument("out_dir")
+    c.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
+    c.add_argument("--name", default=None)
+    c.add_argument("--overwrite", action="store_true")
+
+    i = sub.add_parser("info", help="architecture, parameter count and KV bytes per token")
+    i.add_argument("model", help="a checkpoint folder or a preset name")
+    i.add_argument("--json", action="store_true")
+    return parser
+
+
+def _read_config(model: str) -> tuple[ModelConfig, str]:
+    """The config of a preset or a checkpoint folder, without loading any weights."""
+    from jkv.checkpoints.orbax import MARKER, _config_from_json
+
+    path = Path(model)
+    if path.is_dir():
+        if (path / MARKER).is_file():
+            try:
+                meta = json.loads((path / MARKER).read_text())
+                return _config_from_json(meta["config"], str(path / MARKER)), "jkv"
+            except (json.JSONDecodeError, KeyError) as e:
+                raise ValueError(f"{path / MARKER}: cannot read jkv metadata ({e!r})") from None
+        if (path / "config.json").is_file():
+            return ModelConfig.from_hf_file(path / "config.json"), "hugging face"
+        raise ValueError(f"model={model!r} holds no config.json or jkv.json")
+    if path.exists():
+        raise ValueError(f"model={model!r} is a file; expected a checkpoint folder or preset")
+    try:
+        return preset(model), "preset"
+    except ValueError:
+        raise ValueError(f"model={model!r} is neither a checkpoint folder nor a preset") from None
+
+
+def cmd_info(args) -> int:
+    cfg, kind = _read_config(args.model)
+    info = {
+        "model": args.model,
+        "source": kind,
+        "architecture": cfg.architecture,
+        "parameters": cfg.num_params(),
+        "dtype": cfg.dtype,
+        "layers": cfg.num_layers,
+        "heads": cfg.num_heads,
+        "kv_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_size": cfg.hidden_size,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "sliding_window": cfg.sliding_window,
+        "kv_bytes_per_token": {d: cfg.kv_bytes_per_token(d) for d in KV_DTYPES},
+    }
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    for key, value in info.items():
+        if key == "kv_bytes_per_token":
+            for dtype, n in value.items():
+                print(f"{'kv bytes/token ' + dtype:<32} {n:,}")
+        else:
+            print(f"{key:<32} {value:,}" if isinstance(value, int) else f"{key:<32} {value}")
+    return 0
+
+
+def cmd_convert(args) -> int:
+    import jkv
+
+    out = jkv.convert(
+        args.hf_dir,
+        args.out_dir,
+        dtype=args.dtype,
+        name=args.name,
+        overwrite=args.overwrite,
+        progress=True,
+    )
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    import jkv
+
+    params = jkv.load(args.model)
+    kwargs = dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        logit_keep_ratio=args.logit_keep_ratio,
+        seed=args.seed,
+        stop=args.stop,
+        kv_dtype=args.kv_dtype,
+        backend=args.backend,
+    )
+    if args.stream:
+        for piece in jkv.stream(params, args.prompt, **kwargs):
+            print(piece, end="", flush=True)
+        print()
+        return 0
+    result = jkv.generate(params, args.prompt, **kwargs)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "text": result.text,
+                    "tokens": result.tokens,
+                    "finish_reason": result.finish_reason,
+                    "kv_bytes": result.kv_bytes,
+                    "stats": result.stats,
+                },
+                indent=2,
+            )
+        )
+    else:
+        print(result.text)
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "convert": cmd_convert, "info": cmd_info}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.version:
+            from jkv import __version__
+
+            print(f"jkv {__version__}")
+            return 0
+        if args.command is None:
+            raise UsageError("a command is required: " + ", ".join(COMMANDS))
+        return COMMANDS[args.command](args)
+    except (UsageError, ValueError) as e:
+        print(f"jkv: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,579 @@
+"""The generation ladder: prefill -> decode_step -> decode loop -> generate / stream.
+
+jit sits only at `prefill` (prompt length bucketed to a power of two, so recompiles stay
+bounded) and `decode` (a `lax.while_loop` over decode steps inside one jit). The KV state and
+the loop state are donated at both boundaries: the caller's copy is consumed, the new one
+returned. Rows of a batch are independent: each has its own prompt length, position clock and
+stop flag, and writes only its own real tokens into the cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jkv import attention as attn
+from jkv import kv as kvlib
+from jkv.params import Params
+from jkv.sampling import Sampling, sample
+from jkv.tokenizer import StreamDecoder
+from models.config import ModelConfig
+from models.llama import forward
+
+Prompt = str | Sequence[int]
+MIN_BUCKET = 16
+STOP_CHECK_EVERY = 16  # decode steps between host-side stop-string checks
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationResult:
+    text: str
+    tokens: list[int]  # generated ids (a final eos included)
+    finish_reason: str  # "stop" (eos or a stop string) | "length"
+    kv_bytes: int  # bytes of the live KV state (K, V and fp8 scales) that served the request
+    stats: dict[str, Any]
+    cache: str | None = None  # which response-cache level answered: "l1" | "l2" | None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """The decode loop's carry."""
+
+    kv: kvlib.KVState
+    tokens: jax.Array  # [B, M] int32 generated ids (M = max_new_tokens), -1 where none
+    count: jax.Array  # [B] int32 tokens generated so far per row
+    done: jax.Array  # [B] bool: row hit eos / a stop string / max_new_tokens
+    last: jax.Array  # [B] int32 last generated token (input of the next step)
+    key: jax.Array  # PRNG key of the request
+    step: jax.Array  # [] int32 decode steps run so far
+
+
+# --------------------------------------------------------------------------- jitted rungs
+@functools.partial(jax.jit, static_argnames=("config", "backend"), donate_argnames=("kv",))
+def prefill(
+    weights,
+    config: ModelConfig,
+    tokens: jax.Array,
+    n_new: jax.Array,
+    kv: kvlib.KVState,
+    *,
+    backend: str = "xla",
+):
+    """Runs the prompt `[B, T]` (row b's first n_new[b] tokens are real) through the model.
+
+    Returns (logits `[B, V]` float32 at each row's last real token, the filled KV state).
+    """
+    t = tokens.shape[1]
+    positions = kv.next_position[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
+    attend = attn.make_attention(n_new, sliding_window=config.sliding_window, backend=backend)
+    logits, layers = forward(
+        weights, config, tokens, positions, kv.layers, attend, logits_at=jnp.maximum(n_new - 1, 0)
+    )
+    return logits, kv.replace(layers=layers, next_position=kv.next_position + n_new)
+
+
+def _is_stop(tok: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
+    if not eos_ids:
+        return jnp.zeros(tok.shape, bool)
+    return jnp.isin(tok, jnp.asarray(eos_ids, jnp.int32))
+
+
+@functools.partial(
+    jax.jit, static_argnames=("sampling", "eos_ids", "max_new_tokens"), donate_argnames=("kv",)
+)
+def start(
+    logits,
+    kv: kvlib.KVState,
+    key,
+    *,
+    sampling: Sampling,
+    eos_ids: tuple[int, ...],
+    max_new_tokens: int,
+) -> DecodeState:
+    """Samples each row's first token from the prefill logits and builds the loop state."""
+    b = logits.shape[0]
+    first = sample(logits, jax.random.fold_in(key, 0), sampling)
+    tokens = jnp.full((b, max_new_tokens), -1, jnp.int32).at[:, 0].set(first)
+    done = _is_stop(first, eos_ids) | (max_new_tokens <= 1)
+    return DecodeState(
+        kv=kv,
+        tokens=tokens,
+        count=jnp.ones((b,), jnp.int32),
+        done=done,
+        last=first,
+        key=key,
+        step=jnp.zeros((), jnp.int32),
+    )
+
+
+def decode_step(
+    weights,
+    config: ModelConfig,
+    s: DecodeState,
+    *,
+    sampling: Sampling,
+    eos_ids: tuple[int, ...],
+    backend: str,
+) -> DecodeState:
+    """One token for every unfinished row (finished rows neither write the cache nor advance)."""
+    active = ~s.done
+    n_new = active.astype(jnp.int32)
+    attend = attn.make_attention(n_new, sliding_window=config.sliding_window, backend=backend)
+    logits, layers = forward(
+        weights,
+        config,
+        s.last[:, None],
+        s.kv.next_position[:, None],
+        s.kv.layers,
+        attend,
+        logits_at=jnp.zeros_like(n_new),
+    )
+    kv = s.kv.replace(layers=layers, next_position=s.kv.next_position + n_new)
+    tok = sample(logits, jax.random.fold_in(s.key, s.step + 1), sampling)
+    rows = jnp.arange(tok.shape[0])
+    # A finished row writes at index M, which the scatter drops.
+    tokens = s.tokens.at[rows, jnp.where(active, s.count, s.tokens.shape[1])].set(tok, mode="drop")
+    count = s.count + n_new
+    done = s.done | (active & _is_stop(tok, eos_ids)) | (count >= s.tokens.shape[1])
+    return DecodeState(
+        kv=kv,
+        tokens=tokens,
+        count=count,
+        done=done,
+        last=jnp.where(active, tok, s.last),
+        key=s.key,
+        step=s.step + 1,
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("config", "sampling", "eos_ids", "backend"),
+    donate_argnames=("state",),
+)
+def decode(
+    weights,
+    config: ModelConfig,
+    state: DecodeState,
+    limit: jax.Array,
+    *,
+    sampling: Sampling,
+    eos_ids: tuple[int, ...],
+    backend: str = "xla",
+) -> DecodeState:
+    """Runs decode steps until every row is done or `state.step` reaches `limit`.
+
+    `limit` is traced, so streaming (one step per call) and whole-request decoding share one
+    compiled loop.
+    """
+    step = functools.partial(
+        decode_step, weights, config, sampling=sampling, eos_ids=eos_ids, backend=backend
+    )
+    return jax.lax.while_loop(lambda s: (s.step < limit) & ~jnp.all(s.done), step, state)
+
+
+# --------------------------------------------------------------------------- host side
+def bucket(n: int) -> int:
+    """Prompt lengths are padded to a power of two (at least MIN_BUCKET)."""
+    return max(MIN_BUCKET, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _as_ids(params: Params, prompt, index: int | None) -> list[int]:
+    where = "prompt" if index is None else f"prompt[{index}]"
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError(f"{where} is empty; expected some text")
+        if params.tokenizer is None:
+            raise ValueError(f"{where} is text but the params carry no tokenizer; pass token ids")
+        ids = params.tokenizer.encode(prompt)
+    elif isinstance(prompt, Sequence | np.ndarray) and all(
+        isinstance(t, int | np.integer) and not isinstance(t, bool) for t in prompt
+    ):
+        ids = [int(t) for t in prompt]
+    else:
+        raise ValueError(f"{where}={prompt!r:.80} must be a str or a list of token ids")
+    if not ids:
+        raise ValueError(f"{where} is empty; expected at least one token")
+    vocab = params.config.vocab_size
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"{where} holds token id {bad[0]}; expected ids in [0, {vocab})")
+    return ids
+
+
+def encode_prompts(params: Params, prompt) -> tuple[list[list[int]], bool]:
+    """Token-id lists for a prompt or a batch of prompts, and whether it was a batch."""
+    is_batch = (
+        isinstance(prompt, list | tuple)
+        and len(prompt) > 0
+        and all(isinstance(p, str | list | tuple | np.ndarray) for p in prompt)
+    )
+    if isinstance(prompt, list | tuple) and not prompt:
+        raise ValueError("prompt=[] is empty; expected a str, a list of token ids, or a batch")
+    if is_batch:
+        return [_as_ids(params, p, i) for i, p in enumerate(prompt)], True
+    return [_as_ids(params, prompt, None)], False
+
+
+def _stop_strings(stop) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    items = (stop,) if isinstance(stop, str) else tuple(stop)
+    for s in items:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"stop={stop!r} must be a non-empty string or a list of them")
+    return items
+
+
+@dataclasses.dataclass
+class Request:
+    """Validated settings of one generate / stream call."""
+
+    max_new_tokens: int
+    sampling: Sampling
+    seed: int
+    stop: tuple[str, ...]
+    kv_dtype: str
+    backend: str
+
+    @classmethod
+    def build(
+        cls,
+        params: Params,
+        *,
+        max_new_tokens,
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        logit_keep_ratio,
+        seed,
+        stop,
+        kv_dtype,
+        backend,
+    ) -> Request:
+        if not isinstance(params, Params):
+            raise ValueError(
+                f"params is a {type(params).__name__}; expected jkv.Params (from jkv.load)"
+            )
+        if (
+            not isinstance(max_new_tokens, int)
+            or isinstance(max_new_tokens, bool)
+            or max_new_tokens < 1
+        ):
+            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ValueError(f"seed={seed!r} must be an integer")
+        kv_dtype = kv_dtype or params.config.dtype
+        kvlib.validate_kv_dtype(kv_dtype)
+        if kv_dtype == "float8_e4m3fn":
+            raise ValueError(f"kv_dtype={kv_dtype!r} needs the fp8 kernels, not yet available")
+        return cls(
+            max_new_tokens=max_new_tokens,
+            sampling=Sampling(
+                temperature=float(temperature),
+                top_k=top_k,
+                top_p=top_p,
+                min_p=min_p,
+                logit_keep_ratio=logit_keep_ratio,
+            ),
+            seed=seed,
+            stop=_stop_strings(stop),
+            kv_dtype=kv_dtype,
+            backend=attn.validate_backend(backend),
+        )
+
+
+class Session:
+    """One batch in flight: prefill at construction, then `advance` runs decode chunks."""
+
+    def __init__(self, params: Params, prompts: list[list[int]], req: Request):
+        self.params, self.req = params, req
+        cfg = params.config
+        self.prompt_lengths = [len(p) for p in prompts]
+        t = bucket(max(self.prompt_lengths))
+        b = len(prompts)
+        tokens = np.zeros((b, t), np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = p
+        capacity = t + req.max_new_tokens
+        kv = kvlib.init_state(
+            num_layers=cfg.num_layers,
+            batch=b,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            capacity=capacity,
+            dtype=req.kv_dtype,
+        )
+        if params.mesh is not None:
+            from jkv.sharding import shard_kv
+
+            kv = shard_kv(kv, params.mesh)
+        self.eos_ids = tuple(sorted(set(cfg.eos_token_ids)))
+        t0 = time.perf_counter()
+        logits, kv = prefill(
+            params.weights,
+            cfg,
+            jnp.asarray(tokens),
+            jnp.asarray(self.prompt_lengths, jnp.int32),
+            kv,
+            backend=req.backend,
+        )
+        self.state = start(
+            logits,
+            kv,
+            jax.random.key(req.seed),
+            sampling=req.sampling,
+            eos_ids=self.eos_ids,
+            max_new_tokens=req.max_new_tokens,
+        )
+        self.state.tokens.block_until_ready()
+        self.prefill_s = time.perf_counter() - t0
+        self.decode_s = 0.0
+        self.stopped_by_string = [None] * b  # (cut index in text, token count) per row
+        self._host_tokens = None
+
+    @property
+    def finished(self) -> bool:
+        return bool(np.all(np.asarray(self.state.done)))
+
+    def advance(self, steps: int) -> None:
+        """Runs up to `steps` decode steps, then applies stop strings on the host."""
+        t0 = time.perf_counter()
+        limit = jnp.asarray(int(self.state.step) + steps, jnp.int32)
+        self.state = decode(
+            self.params.weights,
+            self.params.config,
+            self.state,
+            limit,
+            sampling=self.req.sampling,
+            eos_ids=self.eos_ids,
+            backend=self.req.backend,
+        )
+        self.state.count.block_until_ready()
+        self.decode_s += time.perf_counter() - t0
+        self._host_tokens = None
+        if self.req.stop:
+            self._apply_stop_strings()
+
+    def row_tokens(self, i: int) -> list[int]:
+        if self._host_tokens is None:
+            self._host_tokens = (np.asarray(self.state.tokens), np.asarray(self.state.count))
+        tokens, count = self._host_tokens
+        return tokens[i, : count[i]].tolist()
+
+    def _apply_stop_strings(self) -> None:
+        newly_done = []
+        for i in range(len(self.prompt_lengths)):
+            if self.stopped_by_string[i] is not None:
+                continue
+            hit = self._find_stop(self.row_tokens(i))
+            if hit is not None:
+                self.stopped_by_string[i] = hit
+                newly_done.append(i)
+        if newly_done:
+            done = np.asarray(self.state.done).copy()
+            done[newly_done] = True
+            self.state = dataclasses.replace(self.state, done=jnp.asarray(done))
+
+    def _find_stop(self, ids: list[int]) -> tuple[int, int] | None:
+        tok = self.params.tokenizer
+        text = tok.decode(ids)
+        cuts = [text.find(s) for s in self.req.stop if s in text]
+        if not cuts:
+            return None
+        cut = min(cuts)
+        # The fewest tokens whose text already contains the stop string.
+        n = next(
+            n
+            for n in range(1, len(ids) + 1)
+            if any(s in tok.decode(ids[:n]) for s in self.req.stop)
+        )
+        return cut, n
+
+    def run(self) -> None:
+        chunk = STOP_CHECK_EVERY if self.req.stop else self.req.max_new_tokens
+        while not self.finished:
+            self.advance(chunk)
+
+    def results(self) -> list[GenerationResult]:
+        kv_bytes = kvlib.nbytes(self.state.kv)
+        generated = int(np.asarray(self.state.count).sum())
+        decoded = generated - len(self.prompt_lengths)  # the first token comes from prefill
+        stats_common = {
+            "prefill_s": self.prefill_s,
+            "decode_s": self.decode_s,
+            "decode_tokens_per_s": decoded / self.decode_s if self.decode_s > 0 else 0.0,
+            "kv_bytes_used": kvlib.used_bytes(self.state.kv),
+            "kv_bookkeeping_bytes": kvlib.bookkeeping_bytes(self.state.kv),
+            "batch_size": len(self.prompt_lengths),
+        }
+        out = []
+        for i, plen in enumerate(self.prompt_lengths):
+            ids = self.row_tokens(i)
+            reason = "length"
+            if ids and ids[-1] in self.eos_ids:
+                reason = "stop"
+            text = None
+            if self.stopped_by_string[i] is not None:
+                cut, n = self.stopped_by_string[i]
+                ids, reason = ids[:n], "stop"
+                text = self.params.tokenizer.decode(ids)[:cut]
+            if text is None:
+                text = self.params.tokenizer.decode(ids) if self.params.tokenizer else ""
+            out.append(
+                GenerationResult(
+                    text=text,
+                    tokens=ids,
+                    finish_reason=reason,
+                    kv_bytes=kv_bytes,
+                    stats={**stats_common, "prompt_tokens": plen, "generated_tokens": len(ids)},
+                )
+            )
+        return out
+
+
+def generate(
+    params: Params,
+    prompt,
+    *,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    logit_keep_ratio: float | None = None,
+    seed: int = 0,
+    stop=None,
+    kv_dtype: str | None = None,
+    backend: str | None = None,
+):
+    """Generates a continuation of `prompt` (or of each prompt of a batch).
+
+    Args:
+      params: from `jkv.load` (weights + config + tokenizer).
+      prompt: a string, a list of token ids, or a list of either (a batch; rows may differ in
+        length and each row's output equals its output alone).
+      max_new_tokens: upper bound on generated tokens per row.
+      temperature: 0 is greedy; otherwise softmax sampling at this temperature.
+      top_k, top_p, min_p: sampling filters (None: off).
+      logit_keep_ratio: keep only this fraction of the highest logits (seed 2.4).
+      seed: PRNG seed; the same seed gives the same samples.
+      stop: a string or list of strings; generation of a row ends when its text contains one
+        (the text is cut before it). The model's eos tokens always stop a row.
+      kv_dtype: KV storage dtype, "float32" or "bfloat16" (default: the params' dtype).
+      backend: attention backend, "xla" (default).
+
+    Returns:
+      A `GenerationResult`, or a list of them for a batch.
+
+    Raises:
+      ValueError: naming the bad argument.
+    """
+    req = Request.build(
+        params,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        logit_keep_ratio=logit_keep_ratio,
+        seed=seed,
+        stop=stop,
+        kv_dtype=kv_dtype,
+        backend=backend,
+    )
+    prompts, is_batch = encode_prompts(params, prompt)
+    if req.stop and params.tokenizer is None:
+        raise ValueError("stop strings need a tokenizer; these params carry none")
+    session = Session(params, prompts, req)
+    session.run()
+    results = session.results()
+    return results if is_batch else results[0]
+
+
+def stream(params: Params, prompt, **kwargs) -> Iterator[str]:
+    """Yields the text of one prompt's continuation piece by piece as it decodes.
+
+    Takes the same keyword arguments as `generate`; a batch is not accepted.
+    """
+    req = Request.build(params, **{**_GENERATE_DEFAULTS, **kwargs})
+    if params.tokenizer is None:
+        raise ValueError("stream needs a tokenizer to produce text; these params carry none")
+    prompts, is_batch = encode_prompts(params, prompt)
+    if is_batch:
+        raise ValueError(f"stream takes one prompt; got a batch of {len(prompts)}")
+    session = Session(params, prompts, req)
+    pieces = StreamDecoder(params.tokenizer)
+    emitted = 0
+    hold = max((len(s) for s in req.stop), default=1) - 1  # a stop string may still be forming
+    seen = 0
+    while True:
+        ids = session.row_tokens(0)
+        for token in ids[seen:]:
+            pieces.push(token)
+        seen = len(ids)
+        text = pieces.emitted
+        cut = session.stopped_by_string[0]
+        if cut is not None:
+            text = text[: cut[0]]
+        final = session.finished
+        upto = len(text) if final else max(emitted, len(text) - hold)
+        if upto > emitted:
+            yield text[emitted:upto]
+            emitted = upto
+        if final:
+            return
+        session.advance(1)
+
+
+_GENERATE_DEFAULTS = dict(
+    max_new_tokens=64,
+    temperature=0.0,
+    top_k=None,
+    top_p=None,
+    min_p=None,
+    logit_keep_ratio=None,
+    seed=0,
+    stop=None,
+    kv_dtype=None,
+    backend=None,
+)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _logits(weights, config, tokens):
+    t = tokens.shape[1]
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), tokens.shape)
+    return forward(weights, config, tokens, positions)[0]
+
+
+def logits(params: Params, token_ids) -> jax.Array:
+    """Float32 logits `[B, T, V]` for token ids `[B, T]` (or `[T]`), no cache, causal."""
+    if not isinstance(params, Params):
+        raise ValueError(f"params is a {type(params).__name__}; expected jkv.Params")
+    try:
+        ids = np.asarray(token_ids)
+    except ValueError:
+        raise ValueError("token_ids rows differ in length; expected a rectangular [B, T]") from None
+    if ids.dtype == object or not np.issubdtype(ids.dtype, np.integer) and ids.size:
+        raise ValueError(f"token_ids must be integer ids; got dtype {ids.dtype}")
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.ndim != 2 or ids.shape[1] == 0:
+        raise ValueError(f"token_ids has shape {ids.shape}; expected [B, T] with T >= 1")
+    vocab = params.config.vocab_size
+    if ids.min() < 0 or ids.max() >= vocab:
+        raise ValueError(
+            f"token_ids holds id {int(ids.max() if ids.max() >= vocab else ids.min())};"
+            f" expected ids in [0, {vocab})"
+        )
+    return _logits(params.weights, params.config, jnp.asarray(ids, jnp.int32))

@@ -1,0 +1,161 @@
+"""The functional KV state: a pytree passed into every model call and returned, never mutated.
+
+One `LayerKV` per layer, so layers may hold different capacities (PyramidKV). Slots are
+per (row, kv head): after a policy evicts, kv head 0 of row 1 may hold different tokens than kv
+head 1, and `lengths` says how many slots of each are valid (slots 0..len-1). `positions` keeps
+the original token position of each slot, which attention masks and RoPE need after eviction.
+
+Bytes (seed 2.1): K and V hold `2 * B * S * K * H * itemsize` per layer; fp8 storage adds a
+bfloat16 scale per (row, kv head, slot) for each of K and V. `positions` (int32) and `lengths`
+are bookkeeping, counted separately.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+KV_DTYPES = ("float32", "bfloat16", "float8_e4m3fn")
+SCALE_DTYPE = jnp.bfloat16  # 2 bytes: keeps fp8 KV at ~0.51x bf16 with scales counted
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerKV:
+    """One layer's cache."""
+
+    k: jax.Array  # [B, K, S, H] storage dtype
+    v: jax.Array  # [B, K, S, H] storage dtype
+    lengths: jax.Array  # [B, K] int32: valid slots are 0..len-1
+    positions: jax.Array  # [B, K, S] int32: original token position of each slot
+    k_scale: jax.Array | None = None  # [B, K, S] bfloat16, fp8 storage only
+    v_scale: jax.Array | None = None  # [B, K, S] bfloat16, fp8 storage only
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVState:
+    """The whole model's cache plus the per-row token clock."""
+
+    layers: tuple[LayerKV, ...]  # L entries
+    next_position: jax.Array  # [B] int32: position of each row's next token
+    dtype: str = dataclasses.field(default="float32", metadata=dict(static=True))
+
+    @property
+    def batch_size(self) -> int:
+        return self.next_position.shape[0]
+
+    def replace(self, **changes) -> KVState:
+        return dataclasses.replace(self, **changes)
+
+
+def validate_kv_dtype(kv_dtype: str) -> str:
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype={kv_dtype!r} is not supported; expected one of {KV_DTYPES}")
+    return kv_dtype
+
+
+def init_state(
+    *,
+    num_layers: int,
+    batch: int,
+    num_kv_heads: int,
+    head_dim: int,
+    capacity: int | Sequence[int],
+    dtype: str,
+) -> KVState:
+    """An empty state. `capacity` is one S for all layers or one per layer."""
+    validate_kv_dtype(dtype)
+    caps = [capacity] * num_layers if isinstance(capacity, int) else list(capacity)
+    if len(caps) != num_layers:
+        raise ValueError(f"capacity has {len(caps)} entries; expected one per layer ({num_layers})")
+    layers = []
+    for s in caps:
+        shape = (batch, num_kv_heads, s, head_dim)
+        scale = None
+        if dtype == "float8_e4m3fn":
+            scale = jnp.ones(shape[:3], SCALE_DTYPE)
+        layers.append(
+            LayerKV(
+                k=jnp.zeros(shape, dtype),
+                v=jnp.zeros(shape, dtype),
+                lengths=jnp.zeros(shape[:2], jnp.int32),
+                positions=jnp.full(shape[:3], -1, jnp.int32),
+                k_scale=scale,
+                v_scale=scale,
+            )
+        )
+    return KVState(layers=tuple(layers), next_position=jnp.zeros((batch,), jnp.int32), dtype=dtype)
+
+
+def append_slots(layer: LayerKV, n_new: jax.Array, t: int) -> jax.Array:
+    """Slot index `[B, K, T]` for each of T new tokens; tokens t >= n_new[b] map past capacity.
+
+    New tokens go after each (row, kv head)'s last valid slot; indices >= S are dropped by the
+    scatter (`mode="drop"`), so a full cache never wraps silently.
+    """
+    offs = jnp.arange(t, dtype=jnp.int32)
+    slots = layer.lengths[:, :, None] + offs  # [B, K, T]
+    live = offs[None, None, :] < n_new[:, None, None]
+    return jnp.where(live, slots, layer.capacity)
+
+
+def append(
+    layer: LayerKV, k_new: jax.Array, v_new: jax.Array, positions: jax.Array, n_new: jax.Array
+) -> LayerKV:
+    """Writes T new tokens (`k_new`, `v_new` `[B, T, K, H]`, `positions` `[B, T]`) into the cache.
+
+    Only the first `n_new[b]` tokens of row b are kept (the rest is padding). Storage must be
+    float32/bfloat16 here; fp8 appends go through `pallas_kernels.kv_quantize`.
+    """
+    b, t, kh, _ = k_new.shape
+    slots = append_slots(layer, n_new, t)  # [B, K, T]
+    bi = jnp.arange(b)[:, None, None]
+    ki = jnp.arange(kh)[None, :, None]
+    k_new = jnp.swapaxes(k_new, 1, 2).astype(layer.k.dtype)  # [B, K, T, H]
+    v_new = jnp.swapaxes(v_new, 1, 2).astype(layer.v.dtype)
+    pos = jnp.broadcast_to(positions[:, None, :], slots.shape)
+    return dataclasses.replace(
+        layer,
+        k=layer.k.at[bi, ki, slots].set(k_new, mode="drop"),
+        v=layer.v.at[bi, ki, slots].set(v_new, mode="drop"),
+        positions=layer.positions.at[bi, ki, slots].set(pos, mode="drop"),
+        lengths=jnp.minimum(layer.lengths + n_new[:, None], layer.capacity),
+    )
+
+
+def nbytes(state: KVState) -> int:
+    """Bytes of K, V and their fp8 scales: the seed 2.1 figure for the allocated state."""
+    total = 0
+    for layer in state.layers:
+        total += layer.k.nbytes + layer.v.nbytes
+        if layer.k_scale is not None:
+            total += layer.k_scale.nbytes + layer.v_scale.nbytes
+    return int(total)
+
+
+def bookkeeping_bytes(state: KVState) -> int:
+    """Bytes of positions and lengths (not part of the seed formula, reported beside it)."""
+    return int(
+        sum(layer.positions.nbytes + layer.lengths.nbytes for layer in state.layers)
+        + state.next_position.nbytes
+    )
+
+
+def used_bytes(state: KVState) -> int:
+    """Bytes of the valid slots only (what a perfectly packed cache would hold)."""
+    total = 0
+    for layer in state.layers:
+        per_slot = 2 * layer.k.shape[-1] * layer.k.dtype.itemsize
+        if layer.k_scale is not None:
+            per_slot += 2 * layer.k_scale.dtype.itemsize
+        total += int(np.asarray(layer.lengths).sum()) * per_slot
+    return total

@@ -1,0 +1,117 @@
+"""Logical axes for params and KV state, mapped to a `jax.sharding.Mesh` by one rules table.
+
+Tensor parallel over heads and the MLP dim (mesh axis "model"), data parallel over the batch
+(mesh axis "data"). An array dim whose size the mesh axis does not divide stays replicated, so
+any mesh works for any model (e.g. 2 kv heads on a 4-way "model" axis).
+
+Multi-host: call `jax.distributed.initialize()` on every host first, build the mesh over
+`jax.devices()` (all hosts' devices), then `jkv.load(path, mesh=mesh)`; the same rules apply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+# logical axis -> mesh axis (None: replicated)
+RULES: Mapping[str, str | None] = {
+    "batch": "data",
+    "heads": "model",
+    "kv_heads": "model",
+    "mlp": "model",
+    "vocab": "model",
+    "embed": None,
+    "head_dim": None,
+    "seq": None,
+}
+
+# parameter leaf name -> logical axes of its dims
+PARAM_AXES: Mapping[tuple[str, str], tuple[str, ...]] = {
+    ("embed_tokens", "embedding"): ("vocab", "embed"),
+    ("q_proj", "kernel"): ("embed", "heads", "head_dim"),
+    ("k_proj", "kernel"): ("embed", "kv_heads", "head_dim"),
+    ("v_proj", "kernel"): ("embed", "kv_heads", "head_dim"),
+    ("q_proj", "bias"): ("heads", "head_dim"),
+    ("k_proj", "bias"): ("kv_heads", "head_dim"),
+    ("v_proj", "bias"): ("kv_heads", "head_dim"),
+    ("o_proj", "kernel"): ("heads", "head_dim", "embed"),
+    ("o_proj", "bias"): ("embed",),
+    ("gate_proj", "kernel"): ("embed", "mlp"),
+    ("up_proj", "kernel"): ("embed", "mlp"),
+    ("down_proj", "kernel"): ("mlp", "embed"),
+    ("gate_proj", "bias"): ("mlp",),
+    ("up_proj", "bias"): ("mlp",),
+    ("down_proj", "bias"): ("embed",),
+    ("lm_head", "kernel"): ("embed", "vocab"),
+}
+
+KV_AXES = {
+    "k": ("batch", "kv_heads", "seq", "head_dim"),
+    "v": ("batch", "kv_heads", "seq", "head_dim"),
+    "lengths": ("batch", "kv_heads"),
+    "positions": ("batch", "kv_heads", "seq"),
+    "k_scale": ("batch", "kv_heads", "seq"),
+    "v_scale": ("batch", "kv_heads", "seq"),
+}
+
+
+def param_axes(path: tuple[str, ...]) -> tuple[str, ...]:
+    """Logical axes of the parameter at `path` (e.g. ("layers_0", "mlp", "up_proj", "kernel"))."""
+    if path[-1] == "scale":  # RMSNorm weights
+        return ("embed",)
+    key = tuple(path[-2:])
+    if key not in PARAM_AXES:
+        raise ValueError(f"parameter {'/'.join(path)} has no logical axes in jkv.sharding")
+    return PARAM_AXES[key]
+
+
+def spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+    """The PartitionSpec for logical `axes`, replicating dims the mesh axis does not divide."""
+    out = []
+    for name, size in zip(axes, shape, strict=True):
+        mesh_axis = RULES.get(name) if name else None
+        if mesh_axis is not None and (mesh_axis not in mesh.shape or size % mesh.shape[mesh_axis]):
+            mesh_axis = None
+        out.append(mesh_axis)
+    return PartitionSpec(*out)
+
+
+def param_sharding(path: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, spec(param_axes(path), shape, mesh))
+
+
+def shard_params(weights, mesh: Mesh):
+    """Places every weight by the rules table."""
+
+    def place(path, leaf):
+        names = tuple(getattr(p, "key", str(p)) for p in path)
+        return jax.device_put(leaf, param_sharding(names, leaf.shape, mesh))
+
+    return jax.tree_util.tree_map_with_path(place, weights)
+
+
+def shard_kv(state, mesh: Mesh):
+    """Places a `KVState` by the rules table (batch over "data", kv heads over "model")."""
+    from jkv.kv import KVState
+
+    def place_layer(layer):
+        changes = {}
+        for field, axes in KV_AXES.items():
+            value = getattr(layer, field)
+            if value is not None:
+                changes[field] = jax.device_put(
+                    value, NamedSharding(mesh, spec(axes, value.shape, mesh))
+                )
+        return type(layer)(**{**layer.__dict__, **changes})
+
+    next_position = jax.device_put(
+        state.next_position,
+        NamedSharding(mesh, spec(("batch",), state.next_position.shape, mesh)),
+    )
+    return KVState(
+        layers=tuple(place_layer(x) for x in state.layers),
+        next_position=next_position,
+        dtype=state.dtype,
+    )

@@ -1,0 +1,40 @@
+"""Shared fixtures: tiny random Hugging Face checkpoints written with transformers."""
+
+from __future__ import annotations
+
+import pytest
+
+from models.tiny_hf import KINDS, write_tiny_checkpoint
+
+ALL_KINDS = sorted(KINDS)
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory):
+    """`hf_checkpoint(kind, **overrides)` -> folder of a tiny random HF checkpoint (cached)."""
+    made = {}
+
+    def make(kind: str = "llama", **overrides):
+        key = (kind, tuple(sorted(overrides.items())))
+        if key not in made:
+            folder = tmp_path_factory.mktemp(f"hf_{kind}")
+            made[key] = write_tiny_checkpoint(folder, kind, **overrides)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_params(hf_checkpoint):
+    """`tiny_params(kind)` -> jkv.Params loaded from the tiny checkpoint of that kind (cached)."""
+    import jkv
+
+    loaded = {}
+
+    def load(kind: str = "llama", **overrides):
+        key = (kind, tuple(sorted(overrides.items())))
+        if key not in loaded:
+            loaded[key] = jkv.load(hf_checkpoint(kind, **overrides))
+        return loaded[key]
+
+    return load

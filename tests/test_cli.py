@@ -1,0 +1,113 @@
+"""The `jkv` command: generate, convert, info; user mistakes are one line and exit 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import jkv
+from jkv.cli import main
+
+
+def test_generate_text_and_json(hf_checkpoint, capsys):
+    folder = hf_checkpoint("llama")
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(folder),
+                "--prompt",
+                "w1 w2 w3",
+                "--max-new-tokens",
+                "6",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    out = json.loads(capsys.readouterr().out)
+    want = jkv.generate(jkv.load(folder), "w1 w2 w3", max_new_tokens=6)
+    assert out["tokens"] == want.tokens and out["text"] == want.text
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(folder),
+                "--prompt",
+                "w1 w2 w3",
+                "--max-new-tokens",
+                "6",
+                "--stream",
+            ]
+        )
+        == 0
+    )
+    assert capsys.readouterr().out == want.text + "\n"
+
+
+def test_convert_then_info(hf_checkpoint, tmp_path, capsys):
+    out_dir = tmp_path / "jkv-model"
+    assert main(["convert", str(hf_checkpoint("qwen2")), str(out_dir), "--dtype", "bfloat16"]) == 0
+    assert (out_dir / "jkv.json").is_file()
+    capsys.readouterr()
+    assert main(["info", str(out_dir), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["architecture"] == "Qwen2ForCausalLM" and info["dtype"] == "bfloat16"
+    assert info["source"] == "jkv"
+    assert jkv.load(out_dir).config.dtype == "bfloat16"
+
+
+def test_info_preset(capsys):
+    assert main(["info", "llama-3.1-8b"]) == 0
+    out = capsys.readouterr().out
+    assert "8,030,261,248" in out
+    assert "kv bytes/token bfloat16" in out and "131,072" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ([], "a command is required"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (["generate", "--prompt", "hi"], "the following arguments are required: --model"),
+        (
+            ["generate", "--model", "/no/such/dir", "--prompt", "hi"],
+            "path='/no/such/dir' does not exist",
+        ),
+        (["info", "/no/such/dir"], "is neither a checkpoint folder nor a preset"),
+        (["convert", "/no/such/dir", "/tmp/x"], "/no/such/dir/config.json: no such file"),
+        (["info", "llama-3.1-8b", "--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_user_mistakes_are_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("jkv: error: ")
+    assert message in err
+
+
+def test_bad_value_flag(hf_checkpoint, capsys):
+    folder = str(hf_checkpoint("llama"))
+    assert main(["generate", "--model", folder, "--prompt", "w1", "--max-new-tokens", "abc"]) == 2
+    assert "invalid int value: 'abc'" in capsys.readouterr().err
+    assert main(["generate", "--model", folder, "--prompt", "w1", "--top-p", "7"]) == 2
+    assert "top_p=7.0 must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_console_script_exit_code_without_traceback():
+    proc = subprocess.run(
+        [sys.executable, "-m", "jkv.cli", "info", "nope-model"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == (
+        "jkv: error: model='nope-model' is neither a checkpoint folder nor a preset"
+    )
