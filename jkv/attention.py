@@ -41,29 +41,36 @@ def cached_attention_reference(
 
     A query with no visible slot gets zeros, never NaN.
     """
-    b, t, n, h = q.shape
-    kh = layer.k.shape[1]
     k, v = layer.k, layer.v
     if layer.k_scale is not None:  # fp8: dequantise (the Pallas kernel does this on read)
         k = k.astype(jnp.float32) * layer.k_scale[..., None].astype(jnp.float32)
         v = v.astype(jnp.float32) * layer.v_scale[..., None].astype(jnp.float32)
+    mask = slot_mask(layer, q_positions, sliding_window)  # [B, K, T, S]
+    return masked_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask)
+
+
+def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Softmax attention of q `[B, T, N, H]` over k, v `[B, K, S, H]` where mask `[B, K, T, S]`.
+
+    Written for XLA's CPU fusions: one pass builds masked scores, one takes exp and the row sum,
+    and the division happens on the small `[B, T, N, H]` output, not on the probabilities.
+    """
+    b, t, n, h = q.shape
+    kh = k.shape[1]
     qg = q.reshape(b, t, kh, n // kh, h)
-    scores = jnp.einsum(
-        "btkgh,bksh->bkgts", qg, k.astype(q.dtype), preferred_element_type=jnp.float32
-    ) * (h**-0.5)
-    mask = slot_mask(layer, q_positions, sliding_window)[:, :, None]  # [B, K, 1, T, S]
-    scores = jnp.where(mask, scores, -jnp.inf)
+    scores = jnp.einsum("btkgh,bksh->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask[:, :, None], scores * (h**-0.5), _MASKED)
     top = jnp.max(scores, axis=-1, keepdims=True)
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    p = jnp.where(mask, jnp.exp(scores - top), 0.0)
-    denom = jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
-    out = jnp.einsum(
-        "bkgts,bksh->btkgh",
-        (p / denom).astype(q.dtype),
-        v.astype(q.dtype),
-        preferred_element_type=jnp.float32,
-    )
+    p = jnp.exp(scores - top)  # masked slots: exp(-1e30 - top) == 0 exactly
+    denom = jnp.sum(p, axis=-1)  # [B, K, G, T]
+    out = jnp.einsum("bkgts,bksh->btkgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    seen = top[..., 0] > _MASKED / 2  # rows with at least one visible slot
+    scale = jnp.where(seen, 1.0 / denom, 0.0)  # [B, K, G, T]
+    out = out * jnp.transpose(scale, (0, 3, 1, 2))[..., None]
     return out.reshape(b, t, n, h).astype(q.dtype)
+
+
+_MASKED = -1e30  # finite: a fully masked row stays NaN-free
 
 
 def make_attention(n_new: jax.Array, *, sliding_window: int | None, backend: str = "xla"):

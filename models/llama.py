@@ -52,23 +52,23 @@ def causal_attention(q, k, v, q_positions, k_positions, *, sliding_window=None, 
     kh = k.shape[2]
     qg = q.reshape(b, t, kh, n // kh, h)
     scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (h**-0.5)
     delta = q_positions[:, :, None] - k_positions[:, None, :]  # [B, T, S]
     mask = delta >= 0
     if sliding_window is not None:
         mask &= delta < sliding_window
     if k_valid is not None:
         mask &= k_valid[:, None, :]
-    mask = mask[:, None, None]  # [B, 1, 1, T, S]
-    scores = jnp.where(mask, scores, -jnp.inf)
+    scores = jnp.where(mask[:, None, None], scores * (h**-0.5), _MASKED)
     top = jnp.max(scores, axis=-1, keepdims=True)
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    p = jnp.where(mask, jnp.exp(scores - top), 0.0)
-    denom = jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
-    out = jnp.einsum(
-        "bkgts,bskh->btkgh", (p / denom).astype(v.dtype), v, preferred_element_type=jnp.float32
-    )
+    p = jnp.exp(scores - top)  # masked keys: exactly 0
+    denom = jnp.sum(p, axis=-1)  # [B, K, G, T]
+    out = jnp.einsum("bkgts,bskh->btkgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    scale = jnp.where(top[..., 0] > _MASKED / 2, 1.0 / denom, 0.0)
+    out = out * jnp.transpose(scale, (0, 3, 1, 2))[..., None]
     return out.reshape(b, t, n, h).astype(q.dtype)
+
+
+_MASKED = -1e30  # finite, so a query with no visible key stays NaN-free
 
 
 class RMSNorm(nn.Module):
