@@ -51,13 +51,10 @@ CONFIGS = {
 }
 
 
-def median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def timed(fn, *args) -> float:
+    t0 = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0
 
 
 def bench_config(
@@ -101,11 +98,28 @@ def bench_config(
         theirs = run_hf(new_tokens)[:, prompt_len:].tolist()
         agree = sum(r.tokens == t for r, t in zip(ours, theirs, strict=True))
         run_jkv(1)  # compile both shapes before timing
-        jkv_full = median_time(lambda: run_jkv(new_tokens), repeats)
-        jkv_one = median_time(lambda: run_jkv(1), repeats)
         run_hf(1)
-        hf_full = median_time(lambda: run_hf(new_tokens), repeats)
-        hf_one = median_time(lambda: run_hf(1), repeats)
+        # Interleaved rounds, so a noisy neighbour slows both sides alike; medians per side.
+        times = {"jkv_full": [], "jkv_one": [], "hf_full": [], "hf_one": []}
+        for _ in range(repeats):
+            for key, fn, n in (
+                ("jkv_full", run_jkv, new_tokens),
+                ("hf_full", run_hf, new_tokens),
+                ("jkv_one", run_jkv, 1),
+                ("hf_one", run_hf, 1),
+            ):
+                times[key].append(timed(fn, n))
+        med = {k: statistics.median(v) for k, v in times.items()}
+        jkv_full, jkv_one, hf_full, hf_one = (
+            med[k] for k in ("jkv_full", "jkv_one", "hf_full", "hf_one")
+        )
+        # Decode time per round: that round's full run minus its 1-token run (paired).
+        jkv_dec = statistics.median(
+            a - b for a, b in zip(times["jkv_full"], times["jkv_one"], strict=True)
+        )
+        hf_dec = statistics.median(
+            a - b for a, b in zip(times["hf_full"], times["hf_one"], strict=True)
+        )
         decoded = batch * (new_tokens - 1)
         row = {
             "config": name,
@@ -114,14 +128,18 @@ def bench_config(
             "prompt": prompt_len,
             "new_tokens": new_tokens,
             "rows_identical": f"{agree}/{batch}",
-            "jkv_decode_tok_s": decoded / max(jkv_full - jkv_one, 1e-9),
-            "hf_decode_tok_s": decoded / max(hf_full - hf_one, 1e-9),
+            "jkv_decode_tok_s": decoded / max(jkv_dec, 1e-9),
+            "hf_decode_tok_s": decoded / max(hf_dec, 1e-9),
             "jkv_e2e_tok_s": batch * new_tokens / jkv_full,
             "hf_e2e_tok_s": batch * new_tokens / hf_full,
             "jkv_prefill_s": jkv_one,
             "hf_prefill_s": hf_one,
         }
         row["decode_ratio"] = row["jkv_decode_tok_s"] / row["hf_decode_tok_s"]
+        # Every decode step streams all weights once: the bandwidth each side achieves.
+        steps = {k: row[f"{k}_decode_tok_s"] / batch for k in ("jkv", "hf")}
+        for k, per_s in steps.items():
+            row[f"{k}_weight_gb_s"] = n_params * 4 * per_s / 1e9
         row["e2e_ratio"] = row["jkv_e2e_tok_s"] / row["hf_e2e_tok_s"]
         rows.append(row)
         print(
@@ -132,6 +150,18 @@ def bench_config(
         if profile_dir and batch == batches[0]:
             profile(params, prompts.tolist(), new_tokens, Path(profile_dir) / f"{name}-B{batch}")
     return rows
+
+
+def read_bandwidth_gb_s(mb: int = 400) -> float:
+    """Bytes/s of a jitted sum over a large float32 array: the ceiling for weight streaming."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((mb * 1024 * 1024 // 4,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    total(x).block_until_ready()
+    best = min(timed(lambda: total(x).block_until_ready()) for _ in range(5))
+    return x.nbytes / best / 1e9
 
 
 def profile(params, prompts, new_tokens, trace_dir: Path, top: int = 15) -> None:
@@ -171,7 +201,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", nargs="*", type=int, default=[1, 8])
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--profile", default=None, help="write jax.profiler traces here")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args(argv)
@@ -182,6 +212,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(THREADS)
     configs = args.configs or (["small-3M"] if args.quick else list(CONFIGS))
     repeats = 1 if args.quick else args.repeats
+    ceiling = read_bandwidth_gb_s()
+    print(f"read bandwidth (jitted sum over 400 MB): {ceiling:.1f} GB/s", flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in configs:

@@ -57,6 +57,8 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) 
     """
     b, t, n, h = q.shape
     kh = k.shape[1]
+    if t == 1:
+        return _decode_attention(q, k, v, mask[:, :, 0])
     qg = q.reshape(b, t, kh, n // kh, h)
     scores = jnp.einsum("btkgh,bksh->bkgts", qg, k, preferred_element_type=jnp.float32)
     scores = jnp.where(mask[:, :, None], scores * (h**-0.5), _MASKED)
@@ -68,6 +70,25 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) 
     scale = jnp.where(seen, 1.0 / denom, 0.0)  # [B, K, G, T]
     out = out * jnp.transpose(scale, (0, 3, 1, 2))[..., None]
     return out.reshape(b, t, n, h).astype(q.dtype)
+
+
+def _decode_attention(q, k, v, mask):
+    """One query token: q `[B, 1, N, H]`, mask `[B, K, S]`, scores laid out `[B, K, S, G]`.
+
+    K is the dot's left operand, contracted on its last (contiguous) dim, so XLA:CPU reads the
+    cache in place; with `[B, K, G, S]` scores it first copies K transposed, every step.
+    """
+    b, _, n, h = q.shape
+    kh = k.shape[1]
+    qg = q.reshape(b, kh, n // kh, h)
+    scores = jnp.einsum("bksh,bkgh->bksg", k, qg, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask[..., None], scores * (h**-0.5), _MASKED)
+    top = jnp.max(scores, axis=2, keepdims=True)  # [B, K, 1, G]
+    p = jnp.exp(scores - top)
+    denom = jnp.sum(p, axis=2)  # [B, K, G]
+    out = jnp.einsum("bksg,bksh->bkgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    scale = jnp.where(top[:, :, 0] > _MASKED / 2, 1.0 / denom, 0.0)
+    return (out * scale[..., None]).reshape(b, 1, n, h).astype(q.dtype)
 
 
 _MASKED = -1e30  # finite: a fully masked row stays NaN-free

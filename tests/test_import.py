@@ -1,0 +1,16 @@
+"""`import jkv` stays light: no torch, transformers, redis or kvpress at import time."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def test_import_jkv_is_light():
+    code = (
+        "import sys, jkv; heavy = [m for m in ('torch', 'transformers', 'redis', 'kvpress')"
+        " if m in sys.modules]; print(heavy)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
