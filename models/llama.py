@@ -95,6 +95,29 @@ def _dense(features, name, dtype, *, use_bias=False, axis=-1):
     )
 
 
+class OutProj(nn.Module):
+    """o_proj: kernel `[N, H, D]` applied as one `[N*H, D]` matmul.
+
+    A dot contracting two axes ([N, H]) runs ~4x slower on XLA:CPU than the same bytes as a
+    plain matmul; the reshapes are free (contiguous).
+    """
+
+    features: int
+    dtype: Any
+    use_bias: bool = False
+
+    @nn.compact
+    def __call__(self, x):  # [B, T, N, H]
+        n, h = x.shape[-2:]
+        kernel = self.param(
+            "kernel", nn.initializers.normal(0.02), (n, h, self.features), self.dtype
+        )
+        y = jnp.dot(x.reshape(*x.shape[:-2], n * h), kernel.reshape(n * h, self.features))
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+        return y
+
+
 class Attention(nn.Module):
     config: ModelConfig
     layer: int
@@ -115,7 +138,7 @@ class Attention(nn.Module):
             )
         else:
             out, cache = attention(self.layer, q, key, val, positions, cache)
-        out = _dense(cfg.hidden_size, "o_proj", dt, use_bias=cfg.o_bias, axis=(-2, -1))(out)
+        out = OutProj(cfg.hidden_size, dt, cfg.o_bias, name="o_proj")(out)
         return out, cache
 
 
