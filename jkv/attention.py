@@ -1,26 +1,40 @@
 """Attention over the KV state: append the new tokens, then attend over every valid slot.
 
-The backend switch lives here. "xla" is the plain-jnp path (the CPU default); the Pallas
-kernels plug in beside it.
+The backend switch lives here:
+  "xla"               plain jnp (the CPU default): scatter appends, masked-softmax attention,
+                      fp8 through the kernels' jnp references;
+  "pallas"            the Pallas Triton kernels (the GPU default): `decode_attention` for
+                      every decode step (fp8 dequantised in registers), `quantize_append` for
+                      fp8 appends; prefill (T > 1 query tokens) stays on the XLA path;
+  "pallas_interpret"  the same kernels in the Pallas interpreter, on any machine (slow: tests).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from jkv import kv as kvlib
+from pallas_kernels import decode_attention, quantize_append, quantize_append_reference
 
-BACKENDS = ("xla",)
+BACKENDS = ("xla", "pallas", "pallas_interpret")
 
 
 def validate_backend(backend: str | None) -> str:
     """Resolves None to the platform default and rejects unknown names."""
     if backend is None:
-        return "xla"
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not supported; expected one of {BACKENDS}")
     return backend
+
+
+def _quantize_append_fn(backend: str):
+    if backend == "xla":
+        return quantize_append_reference
+    return functools.partial(quantize_append, interpret=backend == "pallas_interpret")
 
 
 def slot_mask(layer: kvlib.LayerKV, q_positions: jax.Array, sliding_window: int | None):
@@ -103,10 +117,28 @@ def make_attention(n_new: jax.Array, *, sliding_window: int | None, backend: str
       backend: one of `BACKENDS`.
     """
     backend = validate_backend(backend)
+    qappend = _quantize_append_fn(backend)
 
     def attention(layer_index, q, k, v, positions, layer: kvlib.LayerKV):
         del layer_index
-        layer = kvlib.append(layer, k, v, positions, n_new)
-        return cached_attention_reference(q, positions, layer, sliding_window), layer
+        layer = kvlib.append(layer, k, v, positions, n_new, quantize_append=qappend)
+        if backend == "xla" or q.shape[1] != 1:
+            return cached_attention_reference(q, positions, layer, sliding_window), layer
+        # Decode on the kernel. Every valid slot precedes the query, so only a sliding window
+        # needs positions (the causal test is implied).
+        windowed = sliding_window is not None
+        out = decode_attention(
+            q[:, 0],
+            layer.k,
+            layer.v,
+            layer.lengths,
+            k_scale=layer.k_scale,
+            v_scale=layer.v_scale,
+            positions=layer.positions if windowed else None,
+            q_positions=positions[:, 0] if windowed else None,
+            sliding_window=sliding_window,
+            interpret=backend == "pallas_interpret",
+        )
+        return out[:, None], layer
 
     return attention

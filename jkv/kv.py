@@ -80,17 +80,16 @@ def init_state(
     layers = []
     for s in caps:
         shape = (batch, num_kv_heads, s, head_dim)
-        scale = None
-        if dtype == "float8_e4m3fn":
-            scale = jnp.ones(shape[:3], SCALE_DTYPE)
+        fp8 = dtype == "float8_e4m3fn"
         layers.append(
             LayerKV(
                 k=jnp.zeros(shape, dtype),
                 v=jnp.zeros(shape, dtype),
                 lengths=jnp.zeros(shape[:2], jnp.int32),
                 positions=jnp.full(shape[:3], -1, jnp.int32),
-                k_scale=scale,
-                v_scale=scale,
+                # separate buffers: the state is donated and a buffer cannot be donated twice
+                k_scale=jnp.ones(shape[:3], SCALE_DTYPE) if fp8 else None,
+                v_scale=jnp.ones(shape[:3], SCALE_DTYPE) if fp8 else None,
             )
         )
     return KVState(layers=tuple(layers), next_position=jnp.zeros((batch,), jnp.int32), dtype=dtype)
@@ -109,26 +108,46 @@ def append_slots(layer: LayerKV, n_new: jax.Array, t: int) -> jax.Array:
 
 
 def append(
-    layer: LayerKV, k_new: jax.Array, v_new: jax.Array, positions: jax.Array, n_new: jax.Array
+    layer: LayerKV,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    positions: jax.Array,
+    n_new: jax.Array,
+    *,
+    quantize_append=None,
 ) -> LayerKV:
     """Writes T new tokens (`k_new`, `v_new` `[B, T, K, H]`, `positions` `[B, T]`) into the cache.
 
-    Only the first `n_new[b]` tokens of row b are kept (the rest is padding). Storage must be
-    float32/bfloat16 here; fp8 appends go through `pallas_kernels.kv_quantize`.
+    Only the first `n_new[b]` tokens of row b are kept (the rest is padding). fp8 storage goes
+    through `quantize_append(cache, scale, new [B, K, T, H], start [B, K], n_new [B])` (the
+    `pallas_kernels.kv_quantize` kernel or its reference), which returns (cache, scale).
     """
     b, t, kh, _ = k_new.shape
     slots = append_slots(layer, n_new, t)  # [B, K, T]
     bi = jnp.arange(b)[:, None, None]
     ki = jnp.arange(kh)[None, :, None]
-    k_new = jnp.swapaxes(k_new, 1, 2).astype(layer.k.dtype)  # [B, K, T, H]
-    v_new = jnp.swapaxes(v_new, 1, 2).astype(layer.v.dtype)
+    k_new = jnp.swapaxes(k_new, 1, 2)  # [B, K, T, H]
+    v_new = jnp.swapaxes(v_new, 1, 2)
+    changes = {}
+    if layer.k_scale is None:
+        changes["k"] = layer.k.at[bi, ki, slots].set(k_new.astype(layer.k.dtype), mode="drop")
+        changes["v"] = layer.v.at[bi, ki, slots].set(v_new.astype(layer.v.dtype), mode="drop")
+    else:
+        if quantize_append is None:
+            raise ValueError("fp8 KV storage needs a quantize_append function")
+        start = layer.lengths
+        changes["k"], changes["k_scale"] = quantize_append(
+            layer.k, layer.k_scale, k_new, start, n_new
+        )
+        changes["v"], changes["v_scale"] = quantize_append(
+            layer.v, layer.v_scale, v_new, start, n_new
+        )
     pos = jnp.broadcast_to(positions[:, None, :], slots.shape)
     return dataclasses.replace(
         layer,
-        k=layer.k.at[bi, ki, slots].set(k_new, mode="drop"),
-        v=layer.v.at[bi, ki, slots].set(v_new, mode="drop"),
         positions=layer.positions.at[bi, ki, slots].set(pos, mode="drop"),
         lengths=jnp.minimum(layer.lengths + n_new[:, None], layer.capacity),
+        **changes,
     )
 
 

@@ -1,0 +1,426 @@
+"""Checks the jkv Pallas kernels against their references, then times decode attention.
+
+Correctness first (every kernel, fresh random inputs, NaN planted past every valid length and
+in the buffers the kernels update in place, lengths 0, 1 and S). Then, on a GPU, decode attention
+(our kernel) vs the jitted XLA reference vs JAX's Pallas `gqa` op (when present) over S in
+{1K, 8K, 32K, 128K}, B in {1, 8, 32}, K=8, G=4, H=128, bfloat16 and FP8 storage: warm-up, then
+the median of per-call wall times with inputs rotated so L2 cannot hold them, and device time
+per call from a `jax.profiler` trace (kernels summed per jitted module). GB/s counts the bytes
+of K, V and scales read, beside a device-to-device copy measured in the same run.
+
+    bash benchmarks/gpu_check.sh [--cpu] [--out DIR] [--budget-s SECONDS]
+
+Writes DIR/gpu_check.json (DIR/gpu_check_cpu.json with --cpu); exits 1 if a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import math
+import platform
+import shutil
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels as pk
+
+FP8 = jnp.float8_e4m3fn
+L2_BYTES = 256 << 20  # rotate inputs until at least this much is cycled through
+
+
+def rel_err(out, ref) -> float:
+    out = np.asarray(out).astype(np.float64)
+    ref = np.asarray(ref).astype(np.float64)
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def f32(x):
+    return np.asarray(x).astype(np.float32)
+
+
+# ---------------------------------------------------------------- correctness checks
+
+
+def make_cache(rng, b, kh, s, h, g, dtype):
+    """Random q, K, V with lengths 0, 1, S among them and NaN planted past every length."""
+    lengths = rng.integers(0, s + 1, (b, kh)).astype(np.int32)
+    lengths.reshape(-1)[:3] = [0, 1, s][: b * kh]
+    dead = np.arange(s) >= lengths[..., None]
+    q = rng.standard_normal((b, kh * g, h)).astype(np.float32)
+    k = rng.standard_normal((b, kh, s, h)).astype(np.float32)
+    v = rng.standard_normal((b, kh, s, h)).astype(np.float32)
+    extra = {}
+    if dtype == "fp8":
+        (k, ks), (v, vs) = pk.quantize_reference(k), pk.quantize_reference(v)
+        k, v, ks, vs = (np.array(x) for x in (k, v, ks, vs))
+        ks[dead] = np.nan
+        vs[dead] = np.nan
+        extra = dict(k_scale=ks, v_scale=vs)
+        q = q.astype(jnp.bfloat16)
+    else:
+        dt = np.float32 if dtype == "f32" else jnp.bfloat16
+        q, k, v = q.astype(dt), k.astype(dt), v.astype(dt)
+    k[dead] = np.nan
+    v[dead] = np.nan
+    pos = np.sort(rng.integers(0, 4 * s, (b, kh, s)), axis=-1).astype(np.int32)
+    return q, k, v, lengths, extra, pos
+
+
+def check_decode(rng, interpret, dims, dtype, variant):
+    b, kh, s, h, g = dims
+    q, k, v, lengths, extra, pos = make_cache(rng, b, kh, s, h, g, dtype)
+    kw = dict(extra)
+    if "rope" in variant:
+        kw.update(
+            positions=pos, rope_inv_freq=(1e4 ** -(np.arange(0, h, 2) / h)).astype(np.float32)
+        )
+    if "window" in variant:
+        kw.update(positions=pos, q_positions=pos.max(axis=(1, 2)), sliding_window=s // 2)
+    mass = "mass" in variant
+    got = pk.decode_attention(q, k, v, lengths, **kw, return_mass=mass, interpret=interpret)
+    want = pk.decode_attention_reference(q, k, v, lengths, **kw, return_mass=mass)
+    got, want = (got, want) if mass else ((got,), (want,))
+    errs = [rel_err(a, b_) for a, b_ in zip(got, want, strict=True)]
+    finite = all(np.isfinite(f32(a)).all() for a in got)
+    return dict(err=max(errs), finite=bool(finite))
+
+
+def check_quantize(rng, interpret, dims):
+    b, kh, s, h, _ = dims
+    x = rng.standard_normal((b, kh, 37, h)).astype(jnp.bfloat16)
+    vals, scales = pk.quantize(x, interpret=interpret)
+    rv, rs = pk.quantize_reference(x)
+    deq = pk.dequantize_reference(vals, scales)
+    err = rel_err(deq, pk.dequantize_reference(rv, rs))  # GPU division may round 1 ulp apart
+    fp8_err = rel_err(deq, f32(x))
+    return dict(err=err, fp8_vs_input=fp8_err, finite=bool(np.isfinite(f32(deq)).all()))
+
+
+def check_append(rng, interpret, dims):
+    b, kh, s, h, _ = dims
+    cache = np.full((b, kh, s, h), np.nan, np.float32).astype(FP8)  # poisoned buffers
+    scale = np.full((b, kh, s), np.nan, np.float32)
+    new = rng.standard_normal((b, kh, 3, h)).astype(jnp.bfloat16)
+    start = rng.integers(0, s + 1, (b, kh)).astype(np.int32)
+    start.reshape(-1)[:3] = [0, s, s - 1][: b * kh]  # empty, full, room for one
+    c, sc = pk.quantize_append(cache, scale, new, start, interpret=interpret)
+    rc, rsc = pk.quantize_append_reference(cache, scale, new, start)
+    same_poison = np.array_equal(np.isnan(f32(sc)), np.isnan(f32(rsc)))
+    written = ~np.isnan(f32(rsc))
+    got = f32(c)[written] * f32(sc)[written][:, None]
+    want = f32(rc)[written] * f32(rsc)[written][:, None]
+    return dict(err=rel_err(got, want), finite=bool(same_poison))
+
+
+def check_compact(rng, interpret, dims, by):
+    b, kh, s, h, _ = dims
+    _, k, v, lengths, extra, pos = make_cache(
+        rng, b, kh, s, h, 1, "fp8" if by == "mask" else "bf16"
+    )
+    keep = rng.random((b, kh, s)) < 0.5
+    if by == "mask":
+        sel = dict(keep_mask=np.asarray(pk.pack_mask(keep)), positions=pos, **extra)
+    else:
+        idx = np.asarray(pk.mask_to_indices(keep & (np.arange(s) < lengths[..., None]), s // 2))
+        sel = dict(keep_indices=np.where(idx == s, -1, idx), positions=pos)
+    got = pk.kv_compact(k, v, lengths, **sel, interpret=interpret)
+    want = pk.kv_compact_reference(k, v, lengths, **sel)
+    errs, finite = [], True
+    for a, w in zip(got, want, strict=True):
+        if a is not None:
+            errs.append(0.0 if np.array_equal(f32(a), f32(w)) else 1.0)
+            finite &= bool(np.isfinite(f32(a)).all())
+    return dict(err=max(errs), finite=finite)
+
+
+def check_window(rng, interpret, dims, pool):
+    b, kh, s, h, g = dims
+    lengths = rng.integers(0, s + 1, (b, kh)).astype(np.int32)
+    lengths.reshape(-1)[:3] = [0, 1, s][: b * kh]
+    q = rng.standard_normal((b, kh * g, 16, h)).astype(jnp.bfloat16)
+    k = rng.standard_normal((b, kh, s, h)).astype(np.float32)
+    k[np.arange(s) >= lengths[..., None]] = np.nan
+    k = k.astype(jnp.bfloat16)
+    got = pk.window_scores(q, k, lengths, pool=pool, kernel_size=7, interpret=interpret)
+    want = pk.window_scores_reference(q, k, lengths, pool=pool, kernel_size=7)
+    return dict(err=rel_err(got, want), finite=bool(np.isfinite(f32(got)).all()))
+
+
+def run_checks(interpret: bool, seed: int) -> list[dict]:
+    dims = (2, 2, 100, 64, 4) if interpret else (4, 8, 3000, 128, 4)  # B, K, S, H, G
+    rng = np.random.default_rng(seed)
+    bf16_tol = 2e-2
+    cases = [
+        ("decode_f32", lambda: check_decode(rng, interpret, dims, "f32", ""), 1e-4),
+        ("decode_bf16", lambda: check_decode(rng, interpret, dims, "bf16", ""), bf16_tol),
+        ("decode_bf16_mass", lambda: check_decode(rng, interpret, dims, "bf16", "mass"), bf16_tol),
+        ("decode_bf16_rope", lambda: check_decode(rng, interpret, dims, "bf16", "rope"), bf16_tol),
+        ("decode_fp8", lambda: check_decode(rng, interpret, dims, "fp8", ""), bf16_tol),
+        (
+            "decode_fp8_rope_window_mass",
+            lambda: check_decode(rng, interpret, dims, "fp8", "rope_window_mass"),
+            bf16_tol,
+        ),
+        ("quantize", lambda: check_quantize(rng, interpret, dims), 1e-3),
+        ("quantize_append", lambda: check_append(rng, interpret, dims), 1e-3),
+        ("compact_by_mask_fp8_in_place", lambda: check_compact(rng, interpret, dims, "mask"), 0),
+        ("compact_by_indices_bf16", lambda: check_compact(rng, interpret, dims, "indices"), 0),
+        ("window_scores_avg", lambda: check_window(rng, interpret, dims, "avg"), bf16_tol),
+        ("window_scores_max", lambda: check_window(rng, interpret, dims, "max"), bf16_tol),
+    ]
+    results = []
+    for name, fn, tol in cases:
+        t0 = time.perf_counter()
+        try:
+            r = fn()
+            r["ok"] = bool(r["finite"] and r["err"] <= tol)
+        except Exception as e:  # report and continue: one broken kernel must not hide the rest
+            r = dict(ok=False, error=f"{type(e).__name__}: {e}"[:2000])
+        r.update(name=name, tol=tol, seconds=round(time.perf_counter() - t0, 2))
+        results.append(r)
+        status = "ok" if r["ok"] else "FAIL"
+        detail = r.get("error") or f"rel err {r['err']:.2e} (tol {tol:g})"
+        extra = f", fp8 vs input {r['fp8_vs_input']:.4f}" if "fp8_vs_input" in r else ""
+        print(f"  {status:4s} {name:32s} {detail}{extra}  [{r['seconds']}s]", flush=True)
+    return results
+
+
+# ---------------------------------------------------------------- timing
+
+
+def named_jit(name, fn):
+    """jax.jit with a chosen function name, so its trace events carry hlo_module=jit_<name>."""
+
+    def wrapper(*args):
+        return fn(*args)
+
+    wrapper.__name__ = wrapper.__qualname__ = name
+    return jax.jit(wrapper)
+
+
+def wall_median(fn, inputs, iters):
+    times = []
+    for i in range(iters):
+        args = inputs[i % len(inputs)]
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def device_seconds(trace_dir: Path) -> dict[str, dict]:
+    """Per jitted module: device time (s) summed over the kernels of a perfetto trace."""
+    files = sorted(glob.glob(str(trace_dir / "**" / "perfetto_trace.json.gz"), recursive=True))
+    if not files:
+        return {}
+    with gzip.open(files[-1]) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    procs, threads = {}, {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            procs[e["pid"]] = e["args"]["name"]
+        if e.get("ph") == "M" and e.get("name") == "thread_name":
+            threads[(e["pid"], e.get("tid"))] = e["args"]["name"]
+    gpu = {pid for pid, name in procs.items() if "GPU" in name or "gpu" in name}
+    # Raw kernels live on the "Stream #n" lines; "XLA Ops"/"XLA Modules" repeat them, so one
+    # kind of line is summed: streams when the trace has them, XLA ops otherwise.
+    lines: dict[str, list] = defaultdict(list)
+    for e in events:
+        module = (e.get("args") or {}).get("hlo_module")
+        if e.get("ph") == "X" and e.get("pid") in gpu and module:
+            thread = threads.get((e["pid"], e.get("tid")), "")
+            kind = "stream" if "Stream" in thread else "ops" if "XLA Ops" in thread else "other"
+            lines[kind].append((module, e))
+    out: dict[str, dict] = defaultdict(lambda: dict(seconds=0.0, kernels=defaultdict(float)))
+    for module, e in lines["stream"] or lines["ops"]:
+        out[module]["seconds"] += e["dur"] * 1e-6
+        out[module]["kernels"][e["name"][:80]] += e["dur"] * 1e-6
+    return out
+
+
+def decode_impls(b, kh, s, h, g, dtype):
+    """The decode implementations to time for one shape: name -> (fn, make_args)."""
+    tag = f"{dtype}_B{b}_S{s}"
+    impls = {
+        "pallas": named_jit(f"pallas_{tag}", lambda *a: pk.decode_attention(*a[:4], **a[4])),
+        "xla_reference": named_jit(
+            f"xla_{tag}", lambda *a: pk.decode_attention_reference(*a[:4], **a[4])
+        ),
+    }
+    if dtype == "bf16":
+        try:
+            from jax.experimental.pallas.ops.gpu import decode_attention as jax_ops
+
+            impls["jax_gqa"] = named_jit(
+                f"jaxgqa_{tag}", lambda q, k, v, lens, _: jax_ops.gqa(q, k, v, kv_seq_len=lens)
+            )
+        except Exception:  # absent or moved in this jax: the peer is optional
+            pass
+    return impls
+
+
+def make_timing_inputs(key, b, kh, s, h, g, dtype, copies):
+    @jax.jit
+    def one(key):
+        kq, kk, kv, ks = jax.random.split(key, 4)
+        q = jax.random.normal(kq, (b, kh * g, h), jnp.bfloat16)
+        shape = (b, kh, s, h)
+        lengths = jnp.full((b, kh), s, jnp.int32)
+        if dtype == "fp8":  # values in fp8 range, per-slot scales as the quantiser makes them
+            k = jax.random.normal(kk, shape, jnp.float32).astype(FP8)
+            v = jax.random.normal(kv, shape, jnp.float32).astype(FP8)
+            sc = jax.random.uniform(ks, (2, b, kh, s), jnp.float32, 0.5, 1.5)
+            return q, k, v, lengths, dict(k_scale=sc[0], v_scale=sc[1])
+        k = jax.random.normal(kk, shape, jnp.bfloat16)
+        return q, k, jax.random.normal(kv, shape, jnp.bfloat16), lengths, {}
+
+    return [one(kk) for kk in jax.random.split(key, copies)]
+
+
+def time_decode(budget_end, trace_root: Path, save) -> list[dict]:
+    kh, g, h = 8, 4, 128
+    dev = jax.devices()[0]
+    limit = (dev.memory_stats() or {}).get("bytes_limit", 80 << 30)
+    rows = []
+    for s in (1024, 8192, 32768, 131072):
+        for b in (1, 8, 32):
+            for dtype in ("bf16", "fp8"):  # interleaved: a spent budget still leaves both
+                row = dict(dtype=dtype, B=b, S=s, K=kh, G=g, H=h)
+                itemsize = 2 if dtype == "bf16" else 1
+                kv_bytes = 2 * b * kh * s * h * itemsize
+                read = kv_bytes + (2 * b * kh * s * 4 if dtype == "fp8" else 0)
+                row["bytes_read"] = read
+                if time.monotonic() > budget_end:
+                    rows.append(dict(row, skipped="time budget"))
+                    continue
+                # The XLA reference holds float32 copies of K and V and the scores.
+                if read + 4 * 2 * b * kh * s * h + 12 * b * kh * g * s > 0.6 * limit:
+                    rows.append(dict(row, skipped="does not fit in memory"))
+                    continue
+                copies = max(1, min(16, math.ceil(L2_BYTES / read)))
+                rows.append(time_one(row, b, kh, s, h, g, dtype, copies, read, trace_root))
+                print(json.dumps(rows[-1]), flush=True)
+                save(rows)  # a run cut short still leaves every finished row on disk
+    return rows
+
+
+def time_one(row, b, kh, s, h, g, dtype, copies, read, trace_root):
+    inputs = make_timing_inputs(jax.random.key(s + b), b, kh, s, h, g, dtype, copies)
+    impls = decode_impls(b, kh, s, h, g, dtype)
+    iters = 20 if read < (1 << 30) else 8
+    prepared = {}
+    for name, fn in impls.items():
+        ins = inputs
+        if name == "jax_gqa":  # its cache layout is [B, S, K, H]: transpose outside the timing
+            ins = [
+                (q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), ln[:, 0], e)
+                for q, k, v, ln, e in inputs
+            ]
+        try:
+            jax.block_until_ready(fn(*ins[0]))  # compile + warm-up
+            jax.block_until_ready(fn(*ins[-1]))
+            prepared[name] = ins
+            row[f"{name}_wall_s"] = wall_median(fn, ins, iters)
+        except Exception as e:
+            row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:500]
+    trace_dir = trace_root / f"{dtype}_B{b}_S{s}"
+    try:
+        with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+            for name, ins in prepared.items():
+                for i in range(5):
+                    jax.block_until_ready(impls[name](*ins[i % len(ins)]))
+        per_module = device_seconds(trace_dir)
+        for name, fn in impls.items():
+            mod = per_module.get(f"jit_{fn.__name__}")
+            if mod and name in prepared:
+                row[f"{name}_device_s"] = mod["seconds"] / 5
+                top = sorted(mod["kernels"].items(), key=lambda kv: -kv[1])[:4]
+                row[f"{name}_kernels_us"] = {k: round(v / 5 * 1e6, 1) for k, v in top}
+    except Exception as e:
+        row["trace_error"] = f"{type(e).__name__}: {e}"[:500]
+    shutil.rmtree(trace_dir, ignore_errors=True)
+    for name in impls:
+        t = row.get(f"{name}_device_s") or row.get(f"{name}_wall_s")
+        if t:
+            row[f"{name}_GBps"] = round(read / t / 1e9, 1)
+    del inputs, prepared
+    return row
+
+
+def time_copy():
+    """Device-to-device copy bandwidth (bytes read + written per second)."""
+    x = jnp.zeros((1 << 30,), jnp.uint8)
+    copy = named_jit("d2d_copy", lambda a: jnp.copy(a))
+    jax.block_until_ready(copy(x))
+    t = wall_median(copy, [(x,)], 20)
+    return dict(bytes=2 * x.size, wall_s=t, GBps=round(2 * x.size / t / 1e9, 1))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cpu", action="store_true", help="correctness only, interpret mode, tiny")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--budget-s", type=float, default=420.0, help="stop timing after this")
+    ap.add_argument("--seed", type=int, default=int(time.time()) % (2**31))
+    args = ap.parse_args(argv)
+    start = time.monotonic()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.cpu:
+        jax.config.update("jax_platforms", "cpu")
+    dev = jax.devices()[0]
+    gpu = dev.platform == "gpu"
+    print(f"jax {jax.__version__} on {dev.device_kind} ({dev.platform}); seed {args.seed}")
+    report = dict(
+        meta=dict(
+            jax=jax.__version__,
+            python=platform.python_version(),
+            device=dev.device_kind,
+            platform=dev.platform,
+            mode="cpu-interpret" if args.cpu else "compiled",
+            seed=args.seed,
+            started=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        )
+    )
+    path = out / ("gpu_check_cpu.json" if args.cpu else "gpu_check.json")
+
+    def save(decode_rows=None):
+        if decode_rows is not None:
+            copy_gbps = report.get("copy", {}).get("GBps")
+            for r in decode_rows:
+                if "pallas_GBps" in r and copy_gbps:
+                    r["pallas_vs_copy"] = round(r["pallas_GBps"] / copy_gbps, 3)
+            report["decode"] = decode_rows
+        report["meta"]["seconds"] = round(time.monotonic() - start, 1)
+        path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+
+    print("correctness:")
+    report["checks"] = run_checks(interpret=args.cpu or not gpu, seed=args.seed)
+    failed = [c["name"] for c in report["checks"] if not c["ok"]]
+    report["failed"] = failed
+    save()
+    if gpu and not args.cpu:
+        report["copy"] = time_copy()
+        print(f"device-to-device copy: {report['copy']['GBps']} GB/s")
+        print("decode attention timing:")
+        save(time_decode(start + args.budget_s, out / "traces", save))
+    elif not args.cpu:
+        report["decode"] = "skipped: no GPU"
+    save()
+    print(f"wrote {path}; {len(failed)} failed check(s) {failed if failed else ''}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

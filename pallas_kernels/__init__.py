@@ -1,0 +1,44 @@
+"""Pallas GPU kernels of jkv, one per file, each beside a float32 plain-jnp `*_reference`.
+
+Axis alphabet: B batch, T new tokens, S cached slots, N query heads, K kv heads,
+G = N // K query heads per kv head, H head dim, W observation-window queries, C capacity.
+The KV cache is K, V [B, K, S, H] with valid lengths [B, K] (slots 0..len-1 are valid).
+
+This package never imports `jkv` or `models`: every kernel is usable and testable alone.
+"""
+
+from pallas_kernels.decode_attention import decode_attention, decode_attention_reference
+from pallas_kernels.kv_compact import (
+    Compacted,
+    kv_compact,
+    kv_compact_reference,
+    mask_to_indices,
+    pack_mask,
+    unpack_mask,
+)
+from pallas_kernels.kv_quantize import (
+    dequantize_reference,
+    quantize,
+    quantize_append,
+    quantize_append_reference,
+    quantize_reference,
+)
+from pallas_kernels.window_scores import window_scores, window_scores_reference
+
+__all__ = [
+    "Compacted",
+    "decode_attention",
+    "decode_attention_reference",
+    "dequantize_reference",
+    "kv_compact",
+    "kv_compact_reference",
+    "mask_to_indices",
+    "pack_mask",
+    "quantize",
+    "quantize_append",
+    "quantize_append_reference",
+    "quantize_reference",
+    "unpack_mask",
+    "window_scores",
+    "window_scores_reference",
+]

@@ -1,0 +1,137 @@
+"""Shared bits of the jkv Pallas kernels: backend switch, Triton params, block sizes, FP8 bits.
+
+Triton's rules, which every kernel here follows:
+  * every array value inside a kernel has a power-of-two size;
+  * every dimension of a `dot` is at least 16;
+  * refs are raw pointers: a load or store past a ragged edge must be masked.
+
+FP8 (E4M3, "fn": no infinities, max 448) is moved through the kernels as its raw uint8 bits and
+decoded/encoded with integer ops. Triton casts float8_e4m3fn natively only on sm_89+ (Ada,
+Hopper); the bit codec below runs on Ampere too and is bit-exact with `astype`, so the CPU
+interpret tests check the very arithmetic the GPU runs.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+try:  # The Triton backend is deprecated from jax 0.11 on and may disappear later.
+    from jax.experimental.pallas import triton as plgpu
+except ImportError:  # pragma: no cover - depends on the installed jax
+    plgpu = None
+
+BACKENDS = ("triton",)
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
+FP8_MAX = 448.0
+# Smallest positive normal float32: the floor of every FP8 scale, so a scale is never zero.
+MIN_SCALE = float(jnp.finfo(jnp.float32).tiny)
+# Triton's dot needs every dimension >= 16.
+MIN_DOT = 16
+
+
+def check_backend(backend: str) -> None:
+    """Raises ValueError unless `backend` names a kernel backend this package implements."""
+    if backend == "mosaic_gpu":
+        raise ValueError(f"{backend=} is not implemented yet; use backend='triton'")
+    if backend not in BACKENDS:
+        raise ValueError(f"{backend=} is unknown; expected one of {BACKENDS}")
+    if plgpu is None:  # pragma: no cover
+        raise ValueError(f"{backend=} needs jax.experimental.pallas.triton ({jax.__version__=})")
+
+
+def resolve_interpret(interpret: bool | None) -> bool:
+    """None means: interpret on CPU (there is no Triton there), compile elsewhere."""
+    if interpret is None:
+        return jax.default_backend() == "cpu"
+    return bool(interpret)
+
+
+def compiler_params(num_warps: int = 4, num_stages: int = 2):
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1)."""
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def is_pow2(n: int) -> bool:
+    return n >= 1 and (n & (n - 1)) == 0
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def block_size(n: int, cap: int, floor: int = 1) -> int:
+    """Power-of-two block covering `n` elements, clamped to [floor, cap]."""
+    return max(floor, min(cap, next_pow2(n)))
+
+
+def check_block(name: str, value: int, floor: int = 1) -> None:
+    if not is_pow2(value) or value < floor:
+        raise ValueError(f"{name}={value} must be a power of two >= {floor}")
+
+
+def dot(a, b, *, trans_b: bool = False):
+    """a @ b (or a @ b.T) accumulated in float32; float32 inputs stay IEEE (no TF32)."""
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    # plgpu.dot is the home of the Triton dot from jax 0.10 on; pl.dot before.
+    fn = getattr(plgpu, "dot", None) or pl.dot
+    return fn(a, b, trans_b=trans_b, precision=precision)
+
+
+def load(ref, mask=None, other=None):
+    return plgpu.load(ref, mask=mask, other=other)
+
+
+def store(ref, value, mask=None):
+    plgpu.store(ref, value, mask=mask)
+
+
+def debug_barrier():
+    """__syncthreads: orders the global-memory accesses of all warps of a program."""
+    plgpu.debug_barrier()
+
+
+def fp8_bits_to_f32(bits):
+    """uint8 E4M3 bits -> float32, exact, via the float16 with the same sign/exponent/mantissa.
+
+    E4M3 bits s.eeee.mmm placed at float16 bits s.0eeee.mmm0000000 give the value / 2**8
+    (bias 15 vs 7), subnormals included; the float16 -> float32 cast is exact and 2**8 rescales.
+    Codes 0x7f/0xff (NaN) decode to 480: the quantiser never writes them.
+    """
+    b = bits.astype(jnp.uint16)
+    half = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+    return lax.bitcast_convert_type(half, jnp.float16).astype(jnp.float32) * 256.0
+
+
+def f32_to_fp8_bits(y):
+    """float32 in [-448, 448] -> uint8 E4M3 bits, rounded to nearest even like `astype`."""
+    a = jnp.abs(y)
+    sign = (lax.bitcast_convert_type(y, jnp.uint32) >> 24) & 0x80
+    # Subnormal range (|y| < 2**-6): the code is round-half-even(|y| * 2**9); 8 is 2**-6 itself.
+    t = a * 512.0
+    f = jnp.floor(t)
+    frac = t - f
+    fi = f.astype(jnp.uint32)
+    up = (frac > 0.5) | ((frac == 0.5) & ((fi & 1) == 1))
+    sub = fi + up.astype(jnp.uint32)
+    # Normal range: round the float32 mantissa to 3 bits (half to even), then rebias 127 -> 7.
+    u = lax.bitcast_convert_type(a, jnp.uint32)
+    rounded = u + 0x7FFFF + ((u >> 20) & 1)
+    normal = (rounded >> 20) - (120 << 3)
+    code = jnp.where(a < 2.0**-6, sub, normal)
+    return (code | sign).astype(jnp.uint8)
+
+
+def to_bits(x):
+    """FP8 arrays travel as uint8 (a free bitcast); others unchanged."""
+    return lax.bitcast_convert_type(x, jnp.uint8) if x.dtype == FP8 else x
+
+
+def from_bits(x, dtype):
+    return lax.bitcast_convert_type(x, FP8) if jnp.dtype(dtype) == FP8 else x

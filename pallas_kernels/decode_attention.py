@@ -1,0 +1,438 @@
+"""Decode attention (one query token per row) over a ragged, optionally FP8, GQA KV cache.
+
+Maths, for row b, kv head k, query head n = k*G + g, valid slots s < len[b, k]:
+
+    kk[s]   = K[b,k,s] * k_scale[b,k,s]                 (scale only for FP8 storage)
+    kk[s]   = kk[s]*cos(pos[s]*f) + rotate_half(kk[s])*sin(pos[s]*f)   (RoPE on read, optional)
+    z[g, s] = sm_scale * q[b,n] . kk[s]    -inf where s >= len, and with q_positions also where
+              pos[s] > q_pos[b] (causal) or q_pos[b] - pos[s] >= window (sliding window)
+    p[g, s] = exp(z[g,s] - max_s z[g]) / sum_s exp(...)
+    out[b,n] = sum_s p[g,s] * V[b,k,s] * v_scale[b,k,s]
+    mass[b,k,s] = sum_g p[g,s]                           (H2O's accumulated attention, optional)
+
+Flash-decoding: the grid (B, K, splits) gives each program the G query heads of one kv head
+(padded to 16 rows: Triton's dot needs M >= 16) and one contiguous S range; it keeps the running
+max m, sum l and unnormalised output o of the online softmax, visiting only blocks below the
+valid length. A jnp combine rescales split j by exp(m_j - m) and divides by l. Scales factor out
+of the dots (z = (q . k8) * ks, o = (p * vs) @ v8), so FP8 is decoded from its bits in registers
+and never dequantised in memory. For `return_mass` the kernel also writes the masked logits z
+and the combine turns them into probabilities with the final m, l: no second read of K.
+
+Bytes per call (memory bound; itemsize 4 / 2 / 1 for f32 / bf16 / fp8):
+    read   2 * B*K*len*H*itemsize (K, V: valid slots only) + 8*B*K*len (FP8 scales)
+           + 4*B*K*len (positions, RoPE or window) + B*N*H*itemsize (q)
+    write  4 * B*K*splits*G*(H + 2) (partials) + B*N*H*itemsize (out)
+    mass   + 4*B*K*G*S written and read back (logits) + 4*B*K*S written (mass)
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _backend as bk
+
+# Two waves of programs on a 132-SM GPU (H100/H200) keep every SM busy for one long row.
+_TARGET_PROGRAMS = 264
+_STORAGE = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), bk.FP8)
+
+
+def decode_attention_kernel(
+    *refs,
+    n_heads: int,
+    block_s: int,
+    split_s: int,
+    sm_scale: float,
+    compute_dtype,
+    fp8: bool,
+    rope: bool,
+    causal: bool,
+    window: int | None,
+    mass: bool,
+):
+    refs = list(refs)
+    q_ref = refs.pop(0)  # [Gp, H] the G query heads of one kv head; rows >= G are padding
+    k_ref = refs.pop(0)  # [S, H] keys of one (row, kv head); uint8 bits when FP8
+    v_ref = refs.pop(0)  # [S, H] values, same storage
+    len_ref = refs.pop(0)  # [] valid length of this (row, kv head)
+    ks_ref = refs.pop(0) if fp8 else None  # [S] key scales
+    vs_ref = refs.pop(0) if fp8 else None  # [S] value scales
+    pos_ref = refs.pop(0) if (rope or causal) else None  # [S] original position per slot
+    qpos_ref = refs.pop(0) if causal else None  # [] position of this row's query
+    inv_ref = refs.pop(0) if rope else None  # [H/2] RoPE inverse frequencies
+    o_ref = refs.pop(0)  # [Gp, H] float32 unnormalised output of this split
+    m_ref = refs.pop(0)  # [Gp] float32 running max of this split
+    l_ref = refs.pop(0)  # [Gp] float32 running sum of this split
+    z_ref = refs.pop(0) if mass else None  # [Gp, S] float32 masked logits
+
+    gp, h = q_ref.shape
+    s_total = k_ref.shape[0]
+    length = len_ref[()]
+    lo = pl.program_id(2) * split_s
+    hi = jnp.minimum(lo + split_s, length)
+    n_blocks = jnp.where(hi > lo, (hi - lo + block_s - 1) // block_s, 0)
+    row_ok = jnp.arange(gp) < n_heads
+    qpos = qpos_ref[()] if causal else None
+
+    if rope:
+        # Rotate-half RoPE on two halves of H, each padded to >= 16 columns for the dots.
+        hh = h // 2
+        hp = max(hh, bk.MIN_DOT)
+        col_ok = jnp.arange(hp) < hh
+
+        def load_half(ref, row_start, n, row_mask, offset):
+            """[n, hp] columns offset..offset+H/2 of rows row_start.. (zero past H/2)."""
+            if hp == hh:
+                return bk.load(
+                    ref.at[pl.ds(row_start, n), pl.ds(offset, hh)], mask=row_mask[:, None], other=0
+                )
+            # H = 16: a half is narrower than a dot allows; gather it zero-padded to 16 columns.
+            rows_i = (row_start + jnp.arange(n))[:, None]
+            cols_i = (offset + jnp.arange(hp))[None, :]
+            return bk.load(
+                ref.at[rows_i, cols_i], mask=row_mask[:, None] & col_ok[None, :], other=0
+            )
+
+        q1 = load_half(q_ref, 0, gp, row_ok, 0).astype(compute_dtype)
+        q2 = load_half(q_ref, 0, gp, row_ok, hh).astype(compute_dtype)
+        if hp == hh:
+            inv = bk.load(inv_ref)  # [H/2]
+        else:
+            inv = bk.load(inv_ref.at[jnp.arange(hp)], mask=col_ok, other=0.0)  # [16]
+    else:
+        q = bk.load(q_ref, mask=row_ok[:, None], other=0).astype(compute_dtype)
+
+    def decode(x):
+        return bk.fp8_bits_to_f32(x) if fp8 else x.astype(jnp.float32)
+
+    def body(i, carry):
+        o, m, lsum = carry
+        s0 = lo + i * block_s
+        slots = s0 + jnp.arange(block_s)
+        valid = slots < length
+        rows = pl.ds(s0, block_s)
+        pos = bk.load(pos_ref.at[rows], mask=valid, other=0) if pos_ref is not None else None
+        if rope:
+            k1 = decode(load_half(k_ref, s0, block_s, valid, 0))
+            k2 = decode(load_half(k_ref, s0, block_s, valid, hh))
+            ang = pos.astype(jnp.float32)[:, None] * inv[None, :]  # [bs, hp]
+            cos, sin = jnp.cos(ang), jnp.sin(ang)
+            r1 = (k1 * cos - k2 * sin).astype(compute_dtype)
+            r2 = (k2 * cos + k1 * sin).astype(compute_dtype)
+            z = bk.dot(q1, r1, trans_b=True) + bk.dot(q2, r2, trans_b=True)  # [Gp, bs]
+        else:
+            kb = decode(bk.load(k_ref.at[rows, :], mask=valid[:, None], other=0))
+            z = bk.dot(q, kb.astype(compute_dtype), trans_b=True)  # [Gp, bs]
+        if fp8:
+            z = z * bk.load(ks_ref.at[rows], mask=valid, other=0).astype(jnp.float32)[None, :]
+        z = z * sm_scale
+        keep = valid
+        if causal:
+            keep = keep & (pos <= qpos)
+        if window:
+            keep = keep & (qpos - pos < window)
+        # where, not a multiplicative mask: garbage (NaN) in a dead slot must not leak.
+        z = jnp.where(keep[None, :], z, -jnp.inf)
+        if mass:
+            bk.store(z_ref.at[:, rows], z, mask=row_ok[:, None] & (slots < s_total)[None, :])
+        m_new = jnp.maximum(m, z.max(axis=1))
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # all dead so far: keep exp finite
+        alpha = jnp.exp(m - m_use)
+        p = jnp.exp(z - m_use[:, None])  # [Gp, bs]
+        lsum = alpha * lsum + p.sum(axis=1)
+        if fp8:
+            p = p * bk.load(vs_ref.at[rows], mask=valid, other=0).astype(jnp.float32)[None, :]
+        vb = decode(bk.load(v_ref.at[rows, :], mask=valid[:, None], other=0))
+        o = alpha[:, None] * o + bk.dot(p.astype(compute_dtype), vb.astype(compute_dtype))
+        return o, m_new, lsum
+
+    init = (
+        jnp.zeros((gp, h), jnp.float32),
+        jnp.full((gp,), -jnp.inf, jnp.float32),
+        jnp.zeros((gp,), jnp.float32),
+    )
+    o, m, lsum = jax.lax.fori_loop(0, n_blocks, body, init)
+    bk.store(o_ref, o, mask=row_ok[:, None])
+    bk.store(m_ref, m, mask=row_ok)
+    bk.store(l_ref, lsum, mask=row_ok)
+
+
+def _validate(q, k, v, lengths, k_scale, v_scale, positions, q_positions, rope_inv_freq, window):
+    if q.ndim != 3 or k.ndim != 4:
+        raise ValueError(f"{q.shape=} {k.shape=}: expected q [B, N, H] and k [B, K, S, H]")
+    b, n, h = q.shape
+    kb, kh, s, kd = k.shape
+    if v.shape != k.shape or kb != b or kd != h:
+        raise ValueError(f"{q.shape=} {k.shape=} {v.shape=}: expected k, v [B={b}, K, S, H={h}]")
+    if kh == 0 or n % kh:
+        raise ValueError(f"{q.shape=} {k.shape=}: N={n} must be a multiple of K={kh}")
+    if not bk.is_pow2(h) or h < bk.MIN_DOT:
+        raise ValueError(f"{q.shape=}: H={h} must be a power of two >= {bk.MIN_DOT}")
+    if lengths.shape != (b, kh) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise ValueError(f"{lengths.shape=} {lengths.dtype=}: expected int32 [{b}, {kh}]")
+    if k.dtype not in _STORAGE or v.dtype != k.dtype:
+        raise ValueError(f"{k.dtype=} {v.dtype=}: expected one of float32, bfloat16, float8_e4m3fn")
+    if q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        raise ValueError(f"{q.dtype=}: expected float32, bfloat16 or float16")
+    fp8 = k.dtype == bk.FP8
+    if fp8 != (k_scale is not None) or fp8 != (v_scale is not None):
+        raise ValueError(
+            f"{k.dtype=} k_scale={k_scale is not None} v_scale={v_scale is not None}: "
+            "FP8 storage needs both scales, other storage neither"
+        )
+    for name, x in (("k_scale", k_scale), ("v_scale", v_scale), ("positions", positions)):
+        if x is not None and x.shape != (b, kh, s):
+            raise ValueError(f"{name}.shape={x.shape}: expected [{b}, {kh}, {s}]")
+    for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if x is not None and x.dtype not in (jnp.float32, jnp.bfloat16):
+            raise ValueError(f"{name}.dtype={x.dtype}: expected float32 or bfloat16")
+    if rope_inv_freq is not None:
+        if rope_inv_freq.shape != (h // 2,):
+            raise ValueError(f"{rope_inv_freq.shape=}: expected [H/2={h // 2}]")
+        if positions is None:
+            raise ValueError("rope_inv_freq needs positions [B, K, S] to rotate the keys")
+    if window is not None:
+        if not isinstance(window, int) or window < 1:
+            raise ValueError(f"sliding_window={window!r}: expected a static int >= 1")
+        if q_positions is None:
+            raise ValueError("sliding_window needs positions [B, K, S] and q_positions [B]")
+    if q_positions is not None:
+        if positions is None:
+            raise ValueError("q_positions needs positions [B, K, S] to compare against")
+        if q_positions.shape != (b,) or not jnp.issubdtype(q_positions.dtype, jnp.integer):
+            raise ValueError(f"{q_positions.shape=} {q_positions.dtype=}: expected int32 [{b}]")
+
+
+def _combine(o, m, lsum, z, lengths):
+    """Merges the splits: o [B,K,NS,G,H], m, l [B,K,NS,G], z [B,K,G,S] -> out, mass."""
+    m_max = m.max(axis=2)  # [B, K, G]
+    m_use = jnp.where(m_max == -jnp.inf, 0.0, m_max)
+    w = jnp.exp(m - m_use[:, :, None])  # [B, K, NS, G]; 0 for empty splits
+    l_sum = (w * lsum).sum(axis=2)
+    live = l_sum > 0  # false only for length-0 rows: they output 0, not NaN
+    l_safe = jnp.where(live, l_sum, 1.0)
+    out = jnp.where(live[..., None], (w[..., None] * o).sum(axis=2) / l_safe[..., None], 0.0)
+    if z is None:
+        return out, None
+    slot_ok = jnp.arange(z.shape[-1]) < lengths[:, :, None, None]  # [B, K, 1, S]
+    # Slots past the length were never written by the kernel: select, never multiply.
+    p = jnp.where(slot_ok, jnp.exp(z - m_use[..., None]) / l_safe[..., None], 0.0)
+    return out, p.sum(axis=2)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sliding_window",
+        "sm_scale",
+        "return_mass",
+        "block_s",
+        "num_splits",
+        "num_warps",
+        "num_stages",
+        "backend",
+        "interpret",
+    ),
+)
+def decode_attention(
+    q,
+    k,
+    v,
+    lengths,
+    *,
+    k_scale=None,
+    v_scale=None,
+    positions=None,
+    q_positions=None,
+    rope_inv_freq=None,
+    sliding_window: int | None = None,
+    sm_scale: float | None = None,
+    return_mass: bool = False,
+    block_s: int = 64,
+    num_splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    backend: str = "triton",
+    interpret: bool | None = None,
+):
+    """Attention of one query token per row over a ragged GQA KV cache (flash-decoding).
+
+    Args:
+      q: [B, N, H] query (already rotated when RoPE is used), float32/bfloat16/float16.
+      k, v: [B, K, S, H] cache, float32, bfloat16 or float8_e4m3fn.
+      lengths: [B, K] int32 valid lengths in 0..S (clipped to that range).
+      k_scale, v_scale: [B, K, S] float32 (or bfloat16) per-slot scales; required exactly
+        for FP8 storage.
+      positions: [B, K, S] int32 original position of each slot (RoPE on read, window).
+      q_positions: [B] int32 position of each row's query; when given, slots whose position
+        is greater are masked (causal), as are those outside `sliding_window`.
+      rope_inv_freq: [H/2] float32; when given, keys are stored pre-RoPE and rotated here.
+      sliding_window: static int; slots with q_position - position >= window are masked.
+      sm_scale: softmax scale, default 1/sqrt(H).
+      return_mass: also return the attention mass per slot summed over each group's G heads.
+      block_s: slots per inner step (power of two >= 16).
+      num_splits: S ranges processed in parallel; None picks enough to fill the GPU.
+      num_warps, num_stages: Triton compiler parameters.
+      backend: "triton" (the only one so far).
+      interpret: run the kernel in the Pallas interpreter; None means "on CPU".
+
+    Returns:
+      out [B, N, H] in q.dtype, or (out, mass [B, K, S] float32) when return_mass.
+      Rows of length 0 give out 0 and mass 0.
+
+    Raises:
+      ValueError: on shapes, dtypes, block sizes or a backend that do not fit.
+    """
+    bk.check_backend(backend)
+    interpret = bk.resolve_interpret(interpret)
+    _validate(
+        q, k, v, lengths, k_scale, v_scale, positions, q_positions, rope_inv_freq, sliding_window
+    )
+    bk.check_block("block_s", block_s, bk.MIN_DOT)
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"{num_splits=}: expected an int >= 1 or None")
+    b, n, h = q.shape
+    _, kh, s, _ = k.shape
+    g = n // kh
+    gp = bk.block_size(g, cap=max(g, bk.MIN_DOT), floor=bk.MIN_DOT)
+    fp8 = k.dtype == bk.FP8
+    rope = rope_inv_freq is not None
+    causal = q_positions is not None
+    sm_scale = 1.0 / math.sqrt(h) if sm_scale is None else float(sm_scale)
+    # 16-bit dots when the query is 16-bit and the cache converts to it exactly (same dtype or
+    # FP8, whose values bf16 and f16 both hold); exact float32 dots otherwise.
+    low = q.dtype != jnp.float32 and k.dtype in (q.dtype, bk.FP8)
+    compute_dtype = q.dtype if low else jnp.float32
+
+    if num_splits is None:
+        num_splits = bk.next_pow2(bk.cdiv(_TARGET_PROGRAMS, b * kh))
+    num_splits = max(1, min(num_splits, bk.cdiv(s, block_s)))
+    split_s = bk.cdiv(bk.cdiv(s, num_splits), block_s) * block_s
+    num_splits = bk.cdiv(s, split_s)  # no empty programs
+
+    lengths = jnp.clip(lengths.astype(jnp.int32), 0, s)
+    args = [q.reshape(b, kh, g, h), bk.to_bits(k), bk.to_bits(v), lengths]
+    per_kv = lambda *blk: pl.BlockSpec((None, None, *blk), lambda i, j, _: (i, j) + (0,) * len(blk))
+    in_specs = [
+        per_kv(gp, h),  # q: the G heads of kv head j, rows padded to gp (masked loads)
+        per_kv(s, h),  # k: the whole row; the kernel walks its own S range in block_s steps
+        per_kv(s, h),  # v
+        per_kv(),  # lengths: one scalar per (row, kv head)
+    ]
+    if fp8:
+        args += [k_scale, v_scale]  # float32 or bfloat16; widened in registers
+        in_specs += [per_kv(s), per_kv(s)]
+    if rope or causal:
+        args.append(positions.astype(jnp.int32))
+        in_specs.append(per_kv(s))
+    if causal:
+        args.append(q_positions.astype(jnp.int32))
+        in_specs.append(pl.BlockSpec((None,), lambda i, j, _: (i,)))
+    if rope:
+        args.append(rope_inv_freq.astype(jnp.float32))
+        in_specs.append(pl.BlockSpec((h // 2,), lambda i, j, _: (0,)))
+
+    split = lambda *blk: pl.BlockSpec(
+        (None, None, None, *blk), lambda i, j, t: (i, j, t) + (0,) * len(blk)
+    )
+    out_shape = [
+        jax.ShapeDtypeStruct((b, kh, num_splits, g, h), jnp.float32),  # o
+        jax.ShapeDtypeStruct((b, kh, num_splits, g), jnp.float32),  # m
+        jax.ShapeDtypeStruct((b, kh, num_splits, g), jnp.float32),  # l
+    ]
+    out_specs = [split(gp, h), split(gp), split(gp)]  # one block per (row, kv head, split)
+    if return_mass:
+        out_shape.append(jax.ShapeDtypeStruct((b, kh, g, s), jnp.float32))
+        out_specs.append(per_kv(gp, s))  # every split writes its own S range of the row
+
+    kernel = functools.partial(
+        decode_attention_kernel,
+        n_heads=g,
+        block_s=block_s,
+        split_s=split_s,
+        sm_scale=sm_scale,
+        compute_dtype=compute_dtype,
+        fp8=fp8,
+        rope=rope,
+        causal=causal,
+        window=sliding_window,
+        mass=return_mass,
+    )
+    outs = pl.pallas_call(
+        kernel,
+        grid=(b, kh, num_splits),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=bk.compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name="jkv_decode_attention",
+    )(*args)
+    out, mass = _combine(*outs[:3], outs[3] if return_mass else None, lengths)
+    out = out.reshape(b, n, h).astype(q.dtype)
+    return (out, mass) if return_mass else out
+
+
+def apply_rope_reference(x, positions, inv_freq):
+    """Rotate-half RoPE (Hugging Face Llama): x [..., S, H], positions [..., S], inv_freq [H/2]."""
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq.astype(jnp.float32)
+    ang = jnp.concatenate([ang, ang], axis=-1)  # [..., S, H]
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return x * jnp.cos(ang) + jnp.concatenate([-x2, x1], axis=-1) * jnp.sin(ang)
+
+
+@functools.partial(jax.jit, static_argnames=("sliding_window", "sm_scale", "return_mass"))
+def decode_attention_reference(
+    q,
+    k,
+    v,
+    lengths,
+    *,
+    k_scale=None,
+    v_scale=None,
+    positions=None,
+    q_positions=None,
+    rope_inv_freq=None,
+    sliding_window: int | None = None,
+    sm_scale: float | None = None,
+    return_mass: bool = False,
+):
+    """Plain-jnp float32 `decode_attention` (materialises the [B, K, G, S] scores)."""
+    _validate(
+        q, k, v, lengths, k_scale, v_scale, positions, q_positions, rope_inv_freq, sliding_window
+    )
+    b, n, h = q.shape
+    _, kh, s, _ = k.shape
+    g = n // kh
+    sm_scale = 1.0 / math.sqrt(h) if sm_scale is None else float(sm_scale)
+    lengths = jnp.clip(lengths.astype(jnp.int32), 0, s)
+    valid = jnp.arange(s) < lengths[..., None]  # [B, K, S]
+    kf = k.astype(jnp.float32)
+    vf = v.astype(jnp.float32)
+    if k_scale is not None:
+        kf = kf * k_scale.astype(jnp.float32)[..., None]
+        vf = vf * v_scale.astype(jnp.float32)[..., None]
+    kf = jnp.where(valid[..., None], kf, 0.0)
+    vf = jnp.where(valid[..., None], vf, 0.0)
+    if rope_inv_freq is not None:
+        kf = apply_rope_reference(kf, positions, rope_inv_freq)
+    keep = valid
+    if q_positions is not None:
+        delta = q_positions[:, None, None] - positions  # [B, K, S]
+        keep = keep & (delta >= 0)
+        if sliding_window is not None:
+            keep = keep & (delta < sliding_window)
+    qf = q.astype(jnp.float32).reshape(b, kh, g, h)
+    z = jnp.einsum("bkgh,bksh->bkgs", qf, kf, precision="highest") * sm_scale
+    z = jnp.where(keep[:, :, None, :], z, -jnp.inf)
+    m = z.max(axis=-1, keepdims=True)
+    e = jnp.exp(z - jnp.where(m == -jnp.inf, 0.0, m))
+    lsum = e.sum(axis=-1, keepdims=True)
+    p = e / jnp.where(lsum > 0, lsum, 1.0)  # [B, K, G, S]
+    out = jnp.einsum("bkgs,bksh->bkgh", p, vf, precision="highest").reshape(b, n, h)
+    out = out.astype(q.dtype)
+    return (out, p.sum(axis=2)) if return_mass else out
