@@ -43,6 +43,7 @@ test: $(DEV_STAMP) redis
 
 bench: $(BENCH_STAMP)
 	$(PY) benchmarks/decode_cpu.py
+	$(PY) benchmarks/kernels_cpu.py
 
 lint: $(DEV_STAMP)
 	$(PY) -m ruff check .
