@@ -8,7 +8,19 @@ print(result.text, result.kv_bytes)
 from jkv.checkpoints import convert, load
 from jkv.checkpoints import save as _save
 from jkv.generate import GenerationResult, generate, logits, stream
+from jkv.memory import MemoryReport, memory
 from jkv.params import Params
+from jkv.policies import (
+    H2O,
+    AdaKV,
+    EffiCache,
+    KVPolicy,
+    PyramidKV,
+    Quantile,
+    SnapKV,
+    StreamingLLM,
+)
+from jkv.prefill import prefill
 
 __version__ = "0.1.0"
 
@@ -18,4 +30,24 @@ def save(params: Params, folder, *, overwrite: bool = False):
     return _save(params, folder, overwrite=overwrite)
 
 
-__all__ = ["GenerationResult", "Params", "convert", "generate", "load", "logits", "save", "stream"]
+__all__ = [
+    "H2O",
+    "AdaKV",
+    "EffiCache",
+    "GenerationResult",
+    "KVPolicy",
+    "Params",
+    "PyramidKV",
+    "Quantile",
+    "SnapKV",
+    "StreamingLLM",
+    "convert",
+    "generate",
+    "load",
+    "logits",
+    "memory",
+    "MemoryReport",
+    "prefill",
+    "save",
+    "stream",
+]

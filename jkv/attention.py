@@ -7,6 +7,11 @@ The backend switch lives here:
                       every decode step (fp8 dequantised in registers), `quantize_append` for
                       fp8 appends; prefill (T > 1 query tokens) stays on the XLA path;
   "pallas_interpret"  the same kernels in the Pallas interpreter, on any machine (slow: tests).
+
+A KV policy (jkv.policies) hooks in at three points of each layer's call: where a decode token
+is written (an evicting policy frees a slot when the cache is full), the key positions attention
+rotates by (StreamingLLM's positions within the cache), and what it records afterwards (H2O's
+attention mass, SnapKV's observation-window scores).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from jkv import kv as kvlib
 from pallas_kernels import decode_attention, quantize_append, quantize_append_reference
 
 BACKENDS = ("xla", "pallas", "pallas_interpret")
+_MASKED = -1e30  # finite: a fully masked row stays NaN-free
 
 
 def validate_backend(backend: str | None) -> str:
@@ -37,6 +43,16 @@ def _quantize_append_fn(backend: str):
     return functools.partial(quantize_append, interpret=backend == "pallas_interpret")
 
 
+def rotate(x: jax.Array, angles_pos: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate-half RoPE of x `[..., H]` by integer positions `[...]` (float32 angles)."""
+    ang = angles_pos.astype(jnp.float32)[..., None] * inv_freq  # [..., H/2]
+    ang = jnp.concatenate([ang, ang], axis=-1)
+    half = x.shape[-1] // 2
+    xf = x.astype(jnp.float32)
+    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * jnp.cos(ang) + rotated * jnp.sin(ang)).astype(x.dtype)
+
+
 def slot_mask(layer: kvlib.LayerKV, q_positions: jax.Array, sliding_window: int | None):
     """`[B, K, T, S]` bool: slot s of kv head k is visible to query t of row b."""
     s = layer.capacity
@@ -48,22 +64,41 @@ def slot_mask(layer: kvlib.LayerKV, q_positions: jax.Array, sliding_window: int 
     return mask
 
 
-def cached_attention_reference(
-    q: jax.Array, q_positions: jax.Array, layer: kvlib.LayerKV, sliding_window: int | None = None
-) -> jax.Array:
-    """Attention of q `[B, T, N, H]` over the cache (float32 math). Returns `[B, T, N, H]`.
-
-    A query with no visible slot gets zeros, never NaN.
-    """
+def _dequantised(layer: kvlib.LayerKV, dtype):
     k, v = layer.k, layer.v
     if layer.k_scale is not None:  # fp8: dequantise (the Pallas kernel does this on read)
         k = k.astype(jnp.float32) * layer.k_scale[..., None].astype(jnp.float32)
         v = v.astype(jnp.float32) * layer.v_scale[..., None].astype(jnp.float32)
+    return k.astype(dtype), v.astype(dtype)
+
+
+def cached_attention_reference(
+    q: jax.Array,
+    q_positions: jax.Array,
+    layer: kvlib.LayerKV,
+    sliding_window: int | None = None,
+    *,
+    q_valid: jax.Array | None = None,
+    return_mass: bool = False,
+    key_rotation: tuple[jax.Array, jax.Array] | None = None,
+):
+    """Attention of q `[B, T, N, H]` over the cache (float32 math). Returns `[B, T, N, H]`.
+
+    A query with no visible slot gets zeros, never NaN. With `return_mass`, also the attention
+    probability each slot received, summed over the group's G heads and over the queries
+    marked in `q_valid` `[B, T]`: `[B, K, S]` float32. `key_rotation` = (positions `[B, K, S]`,
+    inv_freq) rotates the keys by those positions first (StreamingLLM's re-rotation).
+    """
+    k, v = _dequantised(layer, q.dtype)
+    if key_rotation is not None:
+        k = rotate(k, *key_rotation)
     mask = slot_mask(layer, q_positions, sliding_window)  # [B, K, T, S]
-    return masked_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask)
+    if q_valid is not None:
+        mask &= q_valid[:, None, :, None]
+    return masked_attention(q, k, v, mask, return_mass=return_mass)
 
 
-def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def masked_attention(q, k, v, mask, *, return_mass: bool = False):
     """Softmax attention of q `[B, T, N, H]` over k, v `[B, K, S, H]` where mask `[B, K, T, S]`.
 
     Written for XLA's CPU fusions: one pass builds masked scores, one takes exp and the row sum,
@@ -72,7 +107,7 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) 
     b, t, n, h = q.shape
     kh = k.shape[1]
     if t == 1:
-        return _decode_attention(q, k, v, mask[:, :, 0])
+        return _decode_attention(q, k, v, mask[:, :, 0], return_mass=return_mass)
     qg = q.reshape(b, t, kh, n // kh, h)
     scores = jnp.einsum("btkgh,bksh->bkgts", qg, k, preferred_element_type=jnp.float32)
     scores = jnp.where(mask[:, :, None], scores * (h**-0.5), _MASKED)
@@ -83,10 +118,13 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) 
     seen = top[..., 0] > _MASKED / 2  # rows with at least one visible slot
     scale = jnp.where(seen, 1.0 / denom, 0.0)  # [B, K, G, T]
     out = out * jnp.transpose(scale, (0, 3, 1, 2))[..., None]
-    return out.reshape(b, t, n, h).astype(q.dtype)
+    out = out.reshape(b, t, n, h).astype(q.dtype)
+    if not return_mass:
+        return out
+    return out, jnp.einsum("bkgts,bkgt->bks", p, scale)
 
 
-def _decode_attention(q, k, v, mask):
+def _decode_attention(q, k, v, mask, *, return_mass: bool = False):
     """One query token: q `[B, 1, N, H]`, mask `[B, K, S]`, scores laid out `[B, K, S, G]`.
 
     K is the dot's left operand, contracted on its last (contiguous) dim, so XLA:CPU reads the
@@ -102,43 +140,91 @@ def _decode_attention(q, k, v, mask):
     denom = jnp.sum(p, axis=2)  # [B, K, G]
     out = jnp.einsum("bksg,bksh->bkgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     scale = jnp.where(top[:, :, 0] > _MASKED / 2, 1.0 / denom, 0.0)
-    return (out * scale[..., None]).reshape(b, 1, n, h).astype(q.dtype)
+    out = (out * scale[..., None]).reshape(b, 1, n, h).astype(q.dtype)
+    if not return_mass:
+        return out
+    return out, jnp.einsum("bksg,bkg->bks", p, scale)
 
 
-_MASKED = -1e30  # finite: a fully masked row stays NaN-free
+def _kernel_decode(q, layer, q_positions, sliding_window, backend, return_mass, key_rotation):
+    """Decode attention through the Pallas kernel: q `[B, 1, N, H]` -> `[B, 1, N, H]`."""
+    windowed = sliding_window is not None
+    rot_pos, inv_freq = key_rotation if key_rotation is not None else (None, None)
+    if windowed and rot_pos is not None:
+        raise ValueError("a sliding window and key re-rotation cannot be combined")
+    res = decode_attention(
+        q[:, 0],
+        layer.k,
+        layer.v,
+        layer.lengths,
+        k_scale=layer.k_scale,
+        v_scale=layer.v_scale,
+        # Every valid slot precedes the query, so only a window needs positions (the causal
+        # test is implied); re-rotation passes the rotation positions instead.
+        positions=rot_pos if rot_pos is not None else (layer.positions if windowed else None),
+        q_positions=q_positions[:, 0] if windowed else None,
+        rope_inv_freq=inv_freq,
+        sliding_window=sliding_window,
+        return_mass=return_mass,
+        interpret=backend == "pallas_interpret",
+    )
+    if return_mass:
+        return res[0][:, None], res[1]
+    return res[:, None]
 
 
-def make_attention(n_new: jax.Array, *, sliding_window: int | None, backend: str = "xla"):
+def make_attention(
+    n_new: jax.Array,
+    *,
+    sliding_window: int | None,
+    backend: str = "xla",
+    policy=None,
+    inv_freq: jax.Array | None = None,
+):
     """The per-layer callable the model calls: append the T new tokens, attend over the cache.
 
     Args:
       n_new: `[B]` int32, how many of the T tokens of each row are real (the rest is padding).
       sliding_window: Mistral's window, or None.
       backend: one of `BACKENDS`.
+      policy: the KV policy shaping the state (jkv.policies), or None for the full cache.
+      inv_freq: the model's RoPE inverse frequencies `[H/2]` (policies that re-rotate keys).
     """
     backend = validate_backend(backend)
     qappend = _quantize_append_fn(backend)
 
     def attention(layer_index, q, k, v, positions, layer: kvlib.LayerKV):
-        del layer_index
-        layer = kvlib.append(layer, k, v, positions, n_new, quantize_append=qappend)
-        if backend == "xla" or q.shape[1] != 1:
-            return cached_attention_reference(q, positions, layer, sliding_window), layer
-        # Decode on the kernel. Every valid slot precedes the query, so only a sliding window
-        # needs positions (the causal test is implied).
-        windowed = sliding_window is not None
-        out = decode_attention(
-            q[:, 0],
-            layer.k,
-            layer.v,
-            layer.lengths,
-            k_scale=layer.k_scale,
-            v_scale=layer.v_scale,
-            positions=layer.positions if windowed else None,
-            q_positions=positions[:, 0] if windowed else None,
-            sliding_window=sliding_window,
-            interpret=backend == "pallas_interpret",
-        )
-        return out[:, None], layer
+        t = q.shape[1]
+        decoding = t == 1
+        active = policy is not None
+        start = policy.write_slots(layer, positions[:, 0]) if active and decoding else None
+        layer = kvlib.append(layer, k, v, positions, n_new, start=start, quantize_append=qappend)
+        want_mass = active and policy.wants_mass
+        key_rotation = None
+        if active and decoding:
+            rerotated = policy.cache_positions(layer, positions[:, 0])
+            if rerotated is not None:  # attend as if the cache were contiguous text
+                slot_pos, q_pos = rerotated
+                q = rotate(q, (q_pos - positions[:, 0])[:, None, None], inv_freq)
+                key_rotation = (slot_pos - layer.positions, inv_freq)
+        if backend != "xla" and decoding:
+            res = _kernel_decode(
+                q, layer, positions, sliding_window, backend, want_mass, key_rotation
+            )
+        else:
+            q_valid = jnp.arange(t)[None, :] < n_new[:, None]
+            res = cached_attention_reference(
+                q,
+                positions,
+                layer,
+                sliding_window,
+                q_valid=q_valid,
+                return_mass=want_mass,
+                key_rotation=key_rotation,
+            )
+        out, mass = res if want_mass else (res, None)
+        if active:
+            layer = policy.observe(layer_index, layer, q, positions, n_new, mass, backend)
+        return out, layer
 
     return attention

@@ -6,6 +6,7 @@ A user's mistake (bad flag, bad path, bad value) prints one line to stderr and e
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -34,6 +35,8 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None)
+    p.add_argument("--kv-policy", default=None, help="full, streaming, snapkv, h2o, ...")
+    p.add_argument("--kv-budget", type=_budget, default=None, help="tokens, or a ratio (0.1)")
     p.add_argument("--backend", default=None)
 
 
@@ -59,7 +62,30 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="architecture, parameter count and KV bytes per token")
     i.add_argument("model", help="a checkpoint folder or a preset name")
     i.add_argument("--json", action="store_true")
+
+    m = sub.add_parser("memory", help="KV-cache bytes for a model, batch, context and policy")
+    m.add_argument("model", help="a checkpoint folder or a preset name")
+    m.add_argument("--batch", type=int, default=1)
+    m.add_argument("--seq-len", type=int, required=True)
+    m.add_argument("--max-new-tokens", type=int, default=0)
+    m.add_argument("--kv-dtype", choices=KV_DTYPES + ("float16",), default=None)
+    m.add_argument("--kv-policy", default=None)
+    m.add_argument("--kv-budget", type=_budget, default=None)
+    m.add_argument("--json", action="store_true")
     return parser
+
+
+def _budget(text: str) -> int | float:
+    """A token count ("256") or a ratio ("0.1")."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        msg = f"invalid budget {text!r}: a token count or a ratio"
+        raise argparse.ArgumentTypeError(msg) from None
 
 
 def _read_config(model: str) -> tuple[ModelConfig, str]:
@@ -145,6 +171,8 @@ def cmd_generate(args) -> int:
         stop=args.stop,
         kv_dtype=args.kv_dtype,
         backend=args.backend,
+        kv_policy=args.kv_policy,
+        kv_budget=args.kv_budget,
     )
     if args.stream:
         for piece in jkv.stream(params, args.prompt, **kwargs):
@@ -170,7 +198,44 @@ def cmd_generate(args) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "convert": cmd_convert, "info": cmd_info}
+def cmd_memory(args) -> int:
+    from jkv.memory import memory
+
+    cfg, _ = _read_config(args.model)
+    r = memory(
+        cfg,
+        args.batch,
+        args.seq_len,
+        max_new_tokens=args.max_new_tokens,
+        kv_dtype=args.kv_dtype,
+        kv_policy=args.kv_policy,
+        kv_budget=args.kv_budget,
+    )
+    if args.json:
+        print(json.dumps(dataclasses.asdict(r), indent=2))
+        return 0
+    dtype = args.kv_dtype or cfg.dtype
+    print(
+        f"{args.model}: batch {args.batch}, {args.seq_len} tokens, kv {dtype}, "
+        f"policy {args.kv_policy or 'full'}"
+        + (f" (budget {args.kv_budget})" if args.kv_budget else "")
+    )
+    print(f"{'layer':>5} {'slots':>8} {'bytes':>16}")
+    for i, (slots, n) in enumerate(zip(r.slots, r.per_layer, strict=True)):
+        print(f"{i:>5} {slots:>8,} {n:>16,}")
+    print(
+        f"total {r.total:,} bytes ({r.total / 2**30:.3f} GiB): K+V {r.kv:,}, fp8 scales "
+        f"{r.scales:,}; positions/lengths {r.bookkeeping:,} more"
+    )
+    return 0
+
+
+COMMANDS = {
+    "generate": cmd_generate,
+    "convert": cmd_convert,
+    "info": cmd_info,
+    "memory": cmd_memory,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,14 +21,15 @@ import numpy as np
 
 from jkv import attention as attn
 from jkv import kv as kvlib
+from jkv import policies
 from jkv.params import Params
+from jkv.prefill import MIN_BUCKET, bucket, encode_prompts, prepare  # noqa: F401 (re-exported)
 from jkv.sampling import Sampling, sample
 from jkv.tokenizer import StreamDecoder
 from models.config import ModelConfig
 from models.llama import forward
 
 Prompt = str | Sequence[int]
-MIN_BUCKET = 16
 STOP_CHECK_EVERY = 16  # decode steps between host-side stop-string checks
 
 
@@ -57,29 +58,6 @@ class DecodeState:
 
 
 # --------------------------------------------------------------------------- jitted rungs
-@functools.partial(jax.jit, static_argnames=("config", "backend"), donate_argnames=("kv",))
-def prefill(
-    weights,
-    config: ModelConfig,
-    tokens: jax.Array,
-    n_new: jax.Array,
-    kv: kvlib.KVState,
-    *,
-    backend: str = "xla",
-):
-    """Runs the prompt `[B, T]` (row b's first n_new[b] tokens are real) through the model.
-
-    Returns (logits `[B, V]` float32 at each row's last real token, the filled KV state).
-    """
-    t = tokens.shape[1]
-    positions = kv.next_position[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
-    attend = attn.make_attention(n_new, sliding_window=config.sliding_window, backend=backend)
-    logits, layers = forward(
-        weights, config, tokens, positions, kv.layers, attend, logits_at=jnp.maximum(n_new - 1, 0)
-    )
-    return logits, kv.replace(layers=layers, next_position=kv.next_position + n_new)
-
-
 def _is_stop(tok: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
     if not eos_ids:
         return jnp.zeros(tok.shape, bool)
@@ -126,7 +104,13 @@ def decode_step(
     """One token for every unfinished row (finished rows neither write the cache nor advance)."""
     active = ~s.done
     n_new = active.astype(jnp.int32)
-    attend = attn.make_attention(n_new, sliding_window=config.sliding_window, backend=backend)
+    attend = attn.make_attention(
+        n_new,
+        sliding_window=config.sliding_window,
+        backend=backend,
+        policy=s.kv.policy,
+        inv_freq=jnp.asarray(config.inv_freq()),
+    )
     logits, layers = forward(
         weights,
         config,
@@ -181,48 +165,6 @@ def decode(
 
 
 # --------------------------------------------------------------------------- host side
-def bucket(n: int) -> int:
-    """Prompt lengths are padded to a power of two (at least MIN_BUCKET)."""
-    return max(MIN_BUCKET, 1 << (max(n, 1) - 1).bit_length())
-
-
-def _as_ids(params: Params, prompt, index: int | None) -> list[int]:
-    where = "prompt" if index is None else f"prompt[{index}]"
-    if isinstance(prompt, str):
-        if not prompt:
-            raise ValueError(f"{where} is empty; expected some text")
-        if params.tokenizer is None:
-            raise ValueError(f"{where} is text but the params carry no tokenizer; pass token ids")
-        ids = params.tokenizer.encode(prompt)
-    elif isinstance(prompt, Sequence | np.ndarray) and all(
-        isinstance(t, int | np.integer) and not isinstance(t, bool) for t in prompt
-    ):
-        ids = [int(t) for t in prompt]
-    else:
-        raise ValueError(f"{where}={prompt!r:.80} must be a str or a list of token ids")
-    if not ids:
-        raise ValueError(f"{where} is empty; expected at least one token")
-    vocab = params.config.vocab_size
-    bad = [t for t in ids if not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"{where} holds token id {bad[0]}; expected ids in [0, {vocab})")
-    return ids
-
-
-def encode_prompts(params: Params, prompt) -> tuple[list[list[int]], bool]:
-    """Token-id lists for a prompt or a batch of prompts, and whether it was a batch."""
-    is_batch = (
-        isinstance(prompt, list | tuple)
-        and len(prompt) > 0
-        and all(isinstance(p, str | list | tuple | np.ndarray) for p in prompt)
-    )
-    if isinstance(prompt, list | tuple) and not prompt:
-        raise ValueError("prompt=[] is empty; expected a str, a list of token ids, or a batch")
-    if is_batch:
-        return [_as_ids(params, p, i) for i, p in enumerate(prompt)], True
-    return [_as_ids(params, prompt, None)], False
-
-
 def _stop_strings(stop) -> tuple[str, ...]:
     if stop is None:
         return ()
@@ -243,6 +185,7 @@ class Request:
     stop: tuple[str, ...]
     kv_dtype: str
     backend: str
+    policy: policies.KVPolicy | None = None
 
     @classmethod
     def build(
@@ -259,6 +202,8 @@ class Request:
         stop,
         kv_dtype,
         backend,
+        kv_policy=None,
+        kv_budget=None,
     ) -> Request:
         if not isinstance(params, Params):
             raise ValueError(
@@ -272,7 +217,7 @@ class Request:
             raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ValueError(f"seed={seed!r} must be an integer")
-        kv_dtype = kvlib.validate_kv_dtype(kv_dtype or params.config.dtype)
+        kv_dtype = kvlib.validate_kv_dtype(kv_dtype) if kv_dtype else None
         return cls(
             max_new_tokens=max_new_tokens,
             sampling=Sampling(
@@ -286,43 +231,38 @@ class Request:
             stop=_stop_strings(stop),
             kv_dtype=kv_dtype,
             backend=attn.validate_backend(backend),
+            policy=policies.resolve(kv_policy, kv_budget),
         )
 
 
 class Session:
     """One batch in flight: prefill at construction, then `advance` runs decode chunks."""
 
-    def __init__(self, params: Params, prompts: list[list[int]], req: Request):
+    def __init__(self, params: Params, prompts: list[list[int]], req: Request, kv_state=None):
         self.params, self.req = params, req
         cfg = params.config
         self.prompt_lengths = [len(p) for p in prompts]
-        t = bucket(max(self.prompt_lengths))
         b = len(prompts)
-        tokens = np.zeros((b, t), np.int32)
-        for i, p in enumerate(prompts):
-            tokens[i, : len(p)] = p
-        capacity = t + req.max_new_tokens
-        kv = kvlib.init_state(
-            num_layers=cfg.num_layers,
-            batch=b,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            capacity=capacity,
-            dtype=req.kv_dtype,
-        )
-        if params.mesh is not None:
-            from jkv.sharding import shard_kv
+        if kv_state is not None:
+            from jkv.prefill import _check_state
 
-            kv = shard_kv(kv, params.mesh)
+            _check_state(kv_state, b, req.kv_dtype)
+            if req.policy is not None:
+                raise ValueError(
+                    "kv_policy given beside kv_state: the state keeps the policy "
+                    "it was prefilled with"
+                )
+        kv_dtype = kv_state.dtype if kv_state is not None else req.kv_dtype or cfg.dtype
         self.eos_ids = tuple(sorted(set(cfg.eos_token_ids)))
         t0 = time.perf_counter()
-        logits, kv = prefill(
-            params.weights,
-            cfg,
-            jnp.asarray(tokens),
-            jnp.asarray(self.prompt_lengths, jnp.int32),
-            kv,
+        logits, kv, self.policy = prepare(
+            params,
+            prompts,
+            policy=req.policy,
+            kv_dtype=kv_dtype,
             backend=req.backend,
+            max_new_tokens=req.max_new_tokens,
+            kv_state=kv_state,
         )
         self.state = start(
             logits,
@@ -411,6 +351,8 @@ class Session:
             "decode_tokens_per_s": decoded / self.decode_s if self.decode_s > 0 else 0.0,
             "kv_bytes_used": kvlib.used_bytes(self.state.kv),
             "kv_bookkeeping_bytes": kvlib.bookkeeping_bytes(self.state.kv),
+            "kv_capacity": [x.capacity for x in self.state.kv.layers],
+            "kv_policy": None if self.policy is None else self.policy.describe(),
             "batch_size": len(self.prompt_lengths),
         }
         out = []
@@ -452,6 +394,9 @@ def generate(
     stop=None,
     kv_dtype: str | None = None,
     backend: str | None = None,
+    kv_policy=None,
+    kv_budget: int | float | None = None,
+    kv_state=None,
 ):
     """Generates a continuation of `prompt` (or of each prompt of a batch).
 
@@ -471,6 +416,12 @@ def generate(
         params' dtype.
       backend: attention backend: "xla" (default on CPU), "pallas" (default on GPU) or
         "pallas_interpret" (the Pallas kernels interpreted, any machine; slow).
+      kv_policy: a `jkv.policies.KVPolicy` (e.g. `SnapKV(budget=256)`) or a name ("full",
+        "streaming", "snapkv", "h2o", "pyramidkv", "adakv", "efficache", "quantile", ...);
+        it compresses the prompt's cache after prefill and keeps its budget while decoding.
+      kv_budget: with a policy name: tokens kept (int) or a ratio of each prompt (float).
+      kv_state: a state from `jkv.prefill` to continue (the prompt is appended to it; the
+        state itself is not consumed).
 
     Returns:
       A `GenerationResult`, or a list of them for a batch.
@@ -490,11 +441,13 @@ def generate(
         stop=stop,
         kv_dtype=kv_dtype,
         backend=backend,
+        kv_policy=kv_policy,
+        kv_budget=kv_budget,
     )
     prompts, is_batch = encode_prompts(params, prompt)
     if req.stop and params.tokenizer is None:
         raise ValueError("stop strings need a tokenizer; these params carry none")
-    session = Session(params, prompts, req)
+    session = Session(params, prompts, req, kv_state=kv_state)
     session.run()
     results = session.results()
     return results if is_batch else results[0]
@@ -505,13 +458,14 @@ def stream(params: Params, prompt, **kwargs) -> Iterator[str]:
 
     Takes the same keyword arguments as `generate`; a batch is not accepted.
     """
+    kv_state = kwargs.pop("kv_state", None)
     req = Request.build(params, **{**_GENERATE_DEFAULTS, **kwargs})
     if params.tokenizer is None:
         raise ValueError("stream needs a tokenizer to produce text; these params carry none")
     prompts, is_batch = encode_prompts(params, prompt)
     if is_batch:
         raise ValueError(f"stream takes one prompt; got a batch of {len(prompts)}")
-    session = Session(params, prompts, req)
+    session = Session(params, prompts, req, kv_state=kv_state)
     pieces = StreamDecoder(params.tokenizer)
     emitted = 0
     hold = max((len(s) for s in req.stop), default=1) - 1  # a stop string may still be forming
@@ -546,6 +500,8 @@ _GENERATE_DEFAULTS = dict(
     stop=None,
     kv_dtype=None,
     backend=None,
+    kv_policy=None,
+    kv_budget=None,
 )
 
 

@@ -7,7 +7,8 @@ the original token position of each slot, which attention masks and RoPE need af
 
 Bytes (seed 2.1): K and V hold `2 * B * S * K * H * itemsize` per layer; fp8 storage adds a
 bfloat16 scale per (row, kv head, slot) for each of K and V. `positions` (int32) and `lengths`
-are bookkeeping, counted separately.
+are bookkeeping, counted separately, as are the float32 `scores` a policy keeps per slot
+(H2O's accumulated attention).
 """
 
 from __future__ import annotations
@@ -34,10 +35,14 @@ class LayerKV:
     positions: jax.Array  # [B, K, S] int32: original token position of each slot
     k_scale: jax.Array | None = None  # [B, K, S] bfloat16, fp8 storage only
     v_scale: jax.Array | None = None  # [B, K, S] bfloat16, fp8 storage only
+    scores: jax.Array | None = None  # [B, K, S] float32 policy importance (e.g. H2O's mass)
 
     @property
     def capacity(self) -> int:
         return self.k.shape[2]
+
+    def replace(self, **changes) -> LayerKV:
+        return dataclasses.replace(self, **changes)
 
 
 @jax.tree_util.register_dataclass
@@ -48,6 +53,8 @@ class KVState:
     layers: tuple[LayerKV, ...]  # L entries
     next_position: jax.Array  # [B] int32: position of each row's next token
     dtype: str = dataclasses.field(default="float32", metadata=dict(static=True))
+    # The KV policy that shaped this state (None: full cache); decode steps keep applying it.
+    policy: object = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def batch_size(self) -> int:
@@ -71,8 +78,11 @@ def init_state(
     head_dim: int,
     capacity: int | Sequence[int],
     dtype: str,
+    scores: bool = False,
+    policy=None,
 ) -> KVState:
-    """An empty state. `capacity` is one S for all layers or one per layer."""
+    """An empty state. `capacity` is one S for all layers or one per layer; `scores` adds the
+    per-slot float32 score array policies accumulate into."""
     validate_kv_dtype(dtype)
     caps = [capacity] * num_layers if isinstance(capacity, int) else list(capacity)
     if len(caps) != num_layers:
@@ -90,21 +100,15 @@ def init_state(
                 # separate buffers: the state is donated and a buffer cannot be donated twice
                 k_scale=jnp.ones(shape[:3], SCALE_DTYPE) if fp8 else None,
                 v_scale=jnp.ones(shape[:3], SCALE_DTYPE) if fp8 else None,
+                scores=jnp.zeros(shape[:3], jnp.float32) if scores else None,
             )
         )
-    return KVState(layers=tuple(layers), next_position=jnp.zeros((batch,), jnp.int32), dtype=dtype)
-
-
-def append_slots(layer: LayerKV, n_new: jax.Array, t: int) -> jax.Array:
-    """Slot index `[B, K, T]` for each of T new tokens; tokens t >= n_new[b] map past capacity.
-
-    New tokens go after each (row, kv head)'s last valid slot; indices >= S are dropped by the
-    scatter (`mode="drop"`), so a full cache never wraps silently.
-    """
-    offs = jnp.arange(t, dtype=jnp.int32)
-    slots = layer.lengths[:, :, None] + offs  # [B, K, T]
-    live = offs[None, None, :] < n_new[:, None, None]
-    return jnp.where(live, slots, layer.capacity)
+    return KVState(
+        layers=tuple(layers),
+        next_position=jnp.zeros((batch,), jnp.int32),
+        dtype=dtype,
+        policy=policy,
+    )
 
 
 def append(
@@ -114,16 +118,22 @@ def append(
     positions: jax.Array,
     n_new: jax.Array,
     *,
+    start: jax.Array | None = None,
     quantize_append=None,
 ) -> LayerKV:
     """Writes T new tokens (`k_new`, `v_new` `[B, T, K, H]`, `positions` `[B, T]`) into the cache.
 
-    Only the first `n_new[b]` tokens of row b are kept (the rest is padding). fp8 storage goes
-    through `quantize_append(cache, scale, new [B, K, T, H], start [B, K], n_new [B])` (the
+    Only the first `n_new[b]` tokens of row b are kept (the rest is padding). They go to slots
+    `start[b, k] + t`, by default right after the valid slots (`start=lengths`); an evicting
+    policy passes the slot it frees instead. fp8 storage goes through
+    `quantize_append(cache, scale, new [B, K, T, H], start [B, K], n_new [B])` (the
     `pallas_kernels.kv_quantize` kernel or its reference), which returns (cache, scale).
     """
     b, t, kh, _ = k_new.shape
-    slots = append_slots(layer, n_new, t)  # [B, K, T]
+    start = layer.lengths if start is None else start
+    offs = jnp.arange(t, dtype=jnp.int32)
+    live = offs[None, None, :] < n_new[:, None, None]
+    slots = jnp.where(live, start[:, :, None] + offs, layer.capacity)  # [B, K, T]; S: dropped
     bi = jnp.arange(b)[:, None, None]
     ki = jnp.arange(kh)[None, :, None]
     k_new = jnp.swapaxes(k_new, 1, 2)  # [B, K, T, H]
@@ -135,19 +145,82 @@ def append(
     else:
         if quantize_append is None:
             raise ValueError("fp8 KV storage needs a quantize_append function")
-        start = layer.lengths
         changes["k"], changes["k_scale"] = quantize_append(
             layer.k, layer.k_scale, k_new, start, n_new
         )
         changes["v"], changes["v_scale"] = quantize_append(
             layer.v, layer.v_scale, v_new, start, n_new
         )
+    if layer.scores is not None:  # a new token starts with no accumulated score
+        changes["scores"] = layer.scores.at[bi, ki, slots].set(0.0, mode="drop")
     pos = jnp.broadcast_to(positions[:, None, :], slots.shape)
     return dataclasses.replace(
         layer,
         positions=layer.positions.at[bi, ki, slots].set(pos, mode="drop"),
         lengths=jnp.minimum(layer.lengths + n_new[:, None], layer.capacity),
         **changes,
+    )
+
+
+def compact(layer: LayerKV, keep: jax.Array, capacity: int, *, compact_fn) -> LayerKV:
+    """Keeps the slots where `keep` `[B, K, S]` is true (and below the length), in slot order,
+    in a new cache of `capacity` slots: what is dropped is gone from memory.
+
+    The selection travels as a bit-packed mask (seed 2.5) to `compact_fn`, which is
+    `pallas_kernels.kv_compact` or its reference; the policy scores follow the same gather.
+    A capacity above the current one compacts in place, then adds empty slots.
+    """
+    from pallas_kernels import mask_to_indices, pack_mask
+
+    inner = min(capacity, layer.capacity)
+    keep = keep & (jnp.arange(layer.capacity) < layer.lengths[:, :, None])
+    out = compact_fn(
+        layer.k,
+        layer.v,
+        layer.lengths,
+        keep_mask=pack_mask(keep),
+        capacity=inner,
+        k_scale=layer.k_scale,
+        v_scale=layer.v_scale,
+        positions=layer.positions,
+    )
+    scores = None
+    if layer.scores is not None:
+        src = mask_to_indices(keep, inner)  # [B, K, C], S where nothing is kept
+        live = jnp.arange(inner) < out.lengths[:, :, None]
+        gathered = jnp.take_along_axis(layer.scores, jnp.minimum(src, layer.capacity - 1), axis=2)
+        scores = jnp.where(live, gathered, 0.0)
+    compacted = LayerKV(
+        k=out.k,
+        v=out.v,
+        lengths=out.lengths,
+        positions=out.positions,
+        k_scale=out.k_scale,
+        v_scale=out.v_scale,
+        scores=scores,
+    )
+    return grow(compacted, capacity - inner)
+
+
+def grow(layer: LayerKV, extra: int) -> LayerKV:
+    """The same cache with `extra` more (empty) slots at the end, in new buffers (donating the
+    result never consumes `layer`)."""
+
+    def pad(x, fill=0):
+        if x is None:
+            return None
+        widths = [(0, 0)] * x.ndim
+        widths[2] = (0, extra)
+        return jnp.pad(x, widths, constant_values=fill)
+
+    return LayerKV(
+        k=pad(layer.k),
+        v=pad(layer.v),
+        lengths=jnp.array(layer.lengths, copy=True),
+        positions=pad(layer.positions, -1),
+        k_scale=pad(layer.k_scale, 1),
+        v_scale=pad(layer.v_scale, 1),
+        scores=pad(layer.scores),
     )
 
 
@@ -162,11 +235,12 @@ def nbytes(state: KVState) -> int:
 
 
 def bookkeeping_bytes(state: KVState) -> int:
-    """Bytes of positions and lengths (not part of the seed formula, reported beside it)."""
-    return int(
-        sum(layer.positions.nbytes + layer.lengths.nbytes for layer in state.layers)
-        + state.next_position.nbytes
-    )
+    """Bytes of positions, lengths and policy scores (outside the seed formula; reported beside it)."""
+    total = state.next_position.nbytes
+    for layer in state.layers:
+        total += layer.positions.nbytes + layer.lengths.nbytes
+        total += 0 if layer.scores is None else layer.scores.nbytes
+    return int(total)
 
 
 def used_bytes(state: KVState) -> int:

@@ -337,6 +337,18 @@ PRESETS: dict[str, ModelConfig] = {
         tie_word_embeddings=True,
         dtype="bfloat16",
     ),
+    # Multi-head attention (32 kv heads): the seed's 2.1 worked example.
+    "llama-2-7b": ModelConfig(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=32,
+        head_dim=128,
+        max_position_embeddings=4096,
+        dtype="bfloat16",
+    ),
     "llama-3.1-8b": ModelConfig(
         vocab_size=128256,
         hidden_size=4096,

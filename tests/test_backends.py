@@ -88,6 +88,7 @@ def test_generation_steps_lower_for_cuda(tiny_params, kind, kv_dtype):
     from jkv.sampling import Sampling
 
     gen = importlib.import_module("jkv.generate")
+    pre = importlib.import_module("jkv.prefill")
     params = tiny_params(kind)
     cfg = params.config
     state = kvlib.init_state(
@@ -100,7 +101,7 @@ def test_generation_steps_lower_for_cuda(tiny_params, kind, kv_dtype):
     )
     tokens = jnp.zeros((2, 16), jnp.int32)
     n_new = jnp.array([16, 9], jnp.int32)
-    prefill = gen.prefill.trace(params.weights, cfg, tokens, n_new, state, backend="pallas")
+    prefill = pre.prefill_step.trace(params.weights, cfg, tokens, n_new, state, backend="pallas")
     text = prefill.lower(lowering_platforms=("cuda",)).as_text()
     assert ("triton" in text) == (kv_dtype == "float8_e4m3fn")  # fp8 appends via the kernel
     loop_state = gen.DecodeState(

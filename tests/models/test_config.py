@@ -13,6 +13,7 @@ from models.llama import param_shapes
 
 # Published parameter counts of the real checkpoints.
 PUBLISHED = {
+    "llama-2-7b": 6_738_415_616,
     "llama-3.2-1b": 1_235_814_400,
     "llama-3.1-8b": 8_030_261_248,
     "tinyllama-1.1b": 1_100_048_384,

@@ -1,0 +1,103 @@
+"""The seed 2.1 calculator: KV bytes for a model, batch, context, dtype and policy.
+
+Per layer, K and V hold `2 * batch * slots * n_kv_heads * head_dim * dtype_bytes` (GQA: kv heads,
+not query heads); fp8 storage adds a bfloat16 scale per (row, kv head, slot) for each of K and
+V. `slots` is what the policy allocates for a context of `seq_len` tokens plus decode headroom:
+the same function `jkv.generate` sizes its cache with, so `result.kv_bytes` equals
+`memory(...)` for the same settings (with `seq_len` the longest prompt, or for the full cache
+the prompt's power-of-two bucket, which is what generate allocates).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jkv import kv as kvlib
+from jkv import policies
+from models.config import ModelConfig, _np_dtype, preset
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    """Bytes of a KV state. `int(report)` is `report.total`."""
+
+    total: int  # K + V + fp8 scales, all layers
+    per_layer: tuple[int, ...]
+    kv: int  # K and V alone
+    scales: int  # fp8 scales
+    slots: tuple[int, ...]  # allocated slots per layer
+    bookkeeping: int  # positions and lengths (int32), not in `total`
+
+    def __int__(self) -> int:
+        return self.total
+
+
+def _config(model) -> ModelConfig:
+    from jkv.params import Params
+
+    if isinstance(model, ModelConfig):
+        return model
+    if isinstance(model, Params):
+        return model.config
+    if isinstance(model, str):
+        return preset(model)
+    raise ValueError(f"model={model!r:.60} must be a preset name, a ModelConfig or jkv.Params")
+
+
+def memory(
+    model,
+    batch: int,
+    seq_len: int,
+    *,
+    max_new_tokens: int = 0,
+    kv_dtype: str | None = None,
+    kv_policy=None,
+    kv_budget=None,
+) -> MemoryReport:
+    """KV-cache bytes (seed 2.1) for `batch` rows of a `seq_len`-token context.
+
+    Args:
+      model: a preset name ("llama-3.1-8b", ...), a `ModelConfig`, or loaded params.
+      batch: rows.
+      seq_len: context tokens per row.
+      max_new_tokens: decode headroom (policies that evict keep a fixed size instead).
+      kv_dtype: "float32", "bfloat16", "float8_e4m3fn" or "float16" (the seed's example);
+        default: the model's dtype.
+      kv_policy, kv_budget: as in `jkv.generate`.
+
+    Raises:
+      ValueError: naming a bad argument.
+    """
+    cfg = _config(model)
+    for name, value, low in (
+        ("batch", batch, 1),
+        ("seq_len", seq_len, 1),
+        ("max_new_tokens", max_new_tokens, 0),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name}={value!r} must be an integer >= {low}")
+    dtype = kv_dtype or cfg.dtype
+    if dtype != "float16":
+        kvlib.validate_kv_dtype(dtype)
+    itemsize = np.dtype(_np_dtype(dtype)).itemsize
+    policy = policies.resolve(kv_policy, kv_budget)
+    if policy is None:
+        slots = (seq_len + max_new_tokens,) * cfg.num_layers
+    else:
+        slots = policy.capacities(cfg.num_layers, seq_len, max_new_tokens)
+    per_slot = batch * cfg.num_kv_heads
+    kv = [2 * per_slot * s * cfg.head_dim * itemsize for s in slots]
+    scale_bytes = np.dtype(_np_dtype("bfloat16")).itemsize
+    scales = [2 * per_slot * s * scale_bytes if dtype == "float8_e4m3fn" else 0 for s in slots]
+    per_layer = tuple(a + b for a, b in zip(kv, scales, strict=True))
+    bookkeeping = sum(per_slot * (s * 4 + 4) for s in slots) + batch * 4
+    return MemoryReport(
+        total=sum(per_layer),
+        per_layer=per_layer,
+        kv=sum(kv),
+        scales=sum(scales),
+        slots=slots,
+        bookkeeping=bookkeeping,
+    )

@@ -1,0 +1,77 @@
+"""KV compression policies that make the cache physically smaller.
+
+Pass one to `jkv.generate(..., kv_policy=SnapKV(budget=256))` or by name
+(`kv_policy="snapkv", kv_budget=256`). Names: full, streaming, snapkv, snapkv_segments, h2o,
+pyramidkv, adakv, efficache, quantile.
+"""
+
+from __future__ import annotations
+
+from jkv.policies.adakv import AdaKV
+from jkv.policies.base import KVPolicy
+from jkv.policies.efficache import EffiCache
+from jkv.policies.h2o import H2O
+from jkv.policies.importance import token_importance
+from jkv.policies.pyramidkv import PyramidKV
+from jkv.policies.quantile import Quantile
+from jkv.policies.snapkv import SnapKV
+from jkv.policies.streaming import StreamingLLM
+
+POLICIES: dict[str, type[KVPolicy] | None] = {
+    "full": None,
+    "streaming": StreamingLLM,
+    "snapkv": SnapKV,
+    "h2o": H2O,
+    "pyramidkv": PyramidKV,
+    "adakv": AdaKV,
+    "efficache": EffiCache,
+    "quantile": Quantile,
+}
+
+
+def resolve(kv_policy, kv_budget=None) -> KVPolicy | None:
+    """A policy object (None for the full cache) from a policy, a name, or None.
+
+    Raises:
+      ValueError: unknown name, a budget beside a policy object or the full cache, bad budget.
+    """
+    if isinstance(kv_policy, KVPolicy):
+        if kv_budget is not None:
+            raise ValueError(
+                f"kv_budget={kv_budget!r} given beside a policy object; set "
+                f"{type(kv_policy).__name__}(budget=...) instead"
+            )
+        return None if type(kv_policy) is KVPolicy else kv_policy
+    if kv_policy is None or kv_policy == "full":
+        if kv_budget is not None:
+            raise ValueError(
+                f"kv_budget={kv_budget!r} needs a compressing kv_policy, not the full cache"
+            )
+        return None
+    if not isinstance(kv_policy, str) or kv_policy not in POLICIES:
+        raise ValueError(
+            f"kv_policy={kv_policy!r} is unknown; expected a KVPolicy or one of {sorted(POLICIES)}"
+        )
+    cls = POLICIES[kv_policy]
+    if kv_budget is None:
+        return cls()
+    if cls is Quantile:
+        if not isinstance(kv_budget, float) or not 0 < kv_budget <= 1:
+            raise ValueError(f"kv_budget={kv_budget!r}: quantile keeps a fraction in (0, 1]")
+        return Quantile(q=1.0 - kv_budget)
+    return cls(budget=kv_budget)
+
+
+__all__ = [
+    "POLICIES",
+    "AdaKV",
+    "EffiCache",
+    "H2O",
+    "KVPolicy",
+    "PyramidKV",
+    "Quantile",
+    "SnapKV",
+    "StreamingLLM",
+    "resolve",
+    "token_importance",
+]

@@ -1,0 +1,177 @@
+"""The KV policy interface: one frozen keyword-only dataclass per policy, one file each.
+
+A policy acts at two moments:
+  after prefill   `keep` selects, per layer, the slots of the prompt's cache to keep; the
+                  compaction (`jkv.kv.compact`, seed 2.5's bit-packed mask) then copies them
+                  into a smaller cache: what is dropped is gone from device memory;
+  during decode   `write_slots` says where each new token goes (an evicting policy frees a
+                  slot once the cache is full), `cache_positions` may re-rotate keys, and
+                  `observe` records what the policy scores by (attention mass, window scores).
+
+Budgets are a token count (int >= 1) or a ratio of each row's prompt (float in (0, 1)). A row
+keeps `budget_tokens(len)` prompt tokens; the physical capacity (static, shared by the batch)
+is the largest row's budget rounded up to `ALIGN` slots, plus decode headroom for policies that
+do not evict. Sizes are plain Python (host side); selections run inside jit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from jkv import kv as kvlib
+
+ALIGN = 16  # capacities are multiples of this: bounded recompiles as prompt lengths vary
+
+
+def round_up(n: int, align: int = ALIGN) -> int:
+    return -(-int(n) // align) * align
+
+
+def check_budget(budget) -> None:
+    if isinstance(budget, bool) or not isinstance(budget, int | float):
+        raise ValueError(f"budget={budget!r} must be a token count (int >= 1) or a ratio in (0, 1)")
+    if isinstance(budget, int) and budget < 1:
+        raise ValueError(f"budget={budget} must be >= 1 tokens")
+    if isinstance(budget, float) and not 0.0 < budget < 1.0:
+        raise ValueError(f"budget={budget} must be a ratio in (0, 1) (or an int token count)")
+
+
+def check_int(name: str, value, low: int = 0) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}={value!r} must be an integer >= {low}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What `keep` knows about the batch being compressed (all traced arrays)."""
+
+    prompt_lengths: jax.Array  # [B] int32 real prompt tokens per row
+    budgets: jax.Array  # [B] int32 prompt tokens each row keeps
+    now: jax.Array  # [B] int32 position of each row's last token
+    num_layers: int
+    sensitivity: jax.Array | None = None  # [B, L, K] float32 (EffiCache)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KVPolicy:
+    """Base: keeps everything; subclasses override what they change."""
+
+    name: ClassVar[str] = "full"
+    wants_mass: ClassVar[bool] = False  # accumulate attention mass into `LayerKV.scores`
+    observes: ClassVar[bool] = False  # fills `LayerKV.scores` during prefill
+    evicts: ClassVar[bool] = False  # fixed capacity during decode (frees a slot per token)
+    needs_sensitivity: ClassVar[bool] = False  # EffiCache: head sensitivity by jax.grad
+
+    budget: int | float | None = None
+
+    def __post_init__(self):
+        if self.budget is not None:
+            check_budget(self.budget)
+
+    # ---------------------------------------------------------------- sizes (host side)
+    def budget_tokens(self, prompt_len: int) -> int:
+        """Prompt tokens a row of `prompt_len` keeps."""
+        if self.budget is None:
+            return prompt_len
+        if isinstance(self.budget, float):
+            return max(1, min(prompt_len, math.ceil(self.budget * prompt_len)))
+        return min(prompt_len, self.budget)
+
+    def layer_budget(self, layer: int, num_layers: int, budget: int) -> int:
+        """A layer's share of a row's budget (PyramidKV overrides)."""
+        return budget
+
+    def capacities(self, num_layers: int, context_len: int, max_new_tokens: int) -> tuple[int, ...]:
+        """Slots each layer allocates after compression for a longest prompt of `context_len`."""
+        b = self.budget_tokens(context_len)
+        headroom = 0 if self.evicts else max_new_tokens
+        return tuple(
+            round_up(self.layer_budget(i, num_layers, b)) + headroom for i in range(num_layers)
+        )
+
+    def describe(self) -> dict:
+        return {"name": self.name, **dataclasses.asdict(self)}
+
+    # ---------------------------------------------------------------- inside jit
+    def row_budgets(self, prompt_lengths: jax.Array) -> jax.Array:
+        """`budget_tokens` for every row, traced: `[B]` int32."""
+        n = prompt_lengths.astype(jnp.int32)
+        if self.budget is None:
+            return n
+        if isinstance(self.budget, float):
+            return jnp.clip(jnp.ceil(self.budget * n).astype(jnp.int32), 1, n)
+        return jnp.minimum(n, self.budget)
+
+    def keep(self, layer_index: int, layer: kvlib.LayerKV, ctx: Context) -> jax.Array:
+        """`[B, K, S]` bool: the slots to keep after prefill."""
+        return valid_slots(layer)
+
+    def write_slots(self, layer: kvlib.LayerKV, q_pos: jax.Array) -> jax.Array | None:
+        """`[B, K]` slot for each row's new decode token, or None to append after the valid
+        slots (a non-evicting policy with headroom)."""
+        return None
+
+    def cache_positions(self, layer: kvlib.LayerKV, q_pos: jax.Array):
+        """None, or (slot positions `[B, K, S]`, query positions `[B]`) to rotate by instead
+        of the original ones (StreamingLLM)."""
+        return None
+
+    def observe(self, layer_index, layer, q, positions, n_new, mass, backend="xla"):
+        """Records what the policy scores by, after a layer's attention; returns the layer."""
+        if self.wants_mass and mass is not None and layer.scores is not None:
+            return layer.replace(scores=layer.scores + mass)
+        return layer
+
+
+# ------------------------------------------------------------------- selection helpers
+def valid_slots(layer: kvlib.LayerKV) -> jax.Array:
+    """`[B, K, S]` bool: slot < length."""
+    return jnp.arange(layer.capacity)[None, None, :] < layer.lengths[:, :, None]
+
+
+def recency_rank(layer: kvlib.LayerKV) -> jax.Array:
+    """`[B, K, S]` int32: 0 for the most recent valid slot (highest position), 1 for the next...;
+    invalid slots rank after every valid one."""
+    key = jnp.where(valid_slots(layer), -layer.positions, jnp.iinfo(jnp.int32).max)
+    order = jnp.argsort(key, axis=-1, stable=True)
+    return jnp.argsort(order, axis=-1, stable=True).astype(jnp.int32)
+
+
+def age_rank(layer: kvlib.LayerKV) -> jax.Array:
+    """`[B, K, S]` int32: 0 for the oldest valid slot (lowest position); invalid slots last."""
+    pos = jnp.where(valid_slots(layer), layer.positions, jnp.iinfo(jnp.int32).max)
+    order = jnp.argsort(pos, axis=-1, stable=True)
+    return jnp.argsort(order, axis=-1, stable=True).astype(jnp.int32)
+
+
+def top_n(scores: jax.Array, allowed: jax.Array, n: jax.Array) -> jax.Array:
+    """`[B, K, S]` bool: the `n` (broadcast to `[B, K]`) highest `scores` among `allowed`.
+
+    Ties go to the lower slot index (a stable sort), so a numpy reference can match exactly.
+    """
+    s = jnp.where(allowed, scores.astype(jnp.float32), -jnp.inf)
+    order = jnp.argsort(-s, axis=-1, stable=True)
+    rank = jnp.argsort(order, axis=-1, stable=True)
+    n = jnp.broadcast_to(jnp.asarray(n, jnp.int32), scores.shape[:2])
+    return allowed & (rank < n[:, :, None])
+
+
+def keep_recent_and_top(scores, layer, n_keep, n_recent, n_sink=0):
+    """Keep the `n_sink` oldest and `n_recent` newest valid slots, then the highest `scores`
+    among the rest until `n_keep` slots are kept (all per (row, kv head), broadcast)."""
+    valid = valid_slots(layer)
+    n_keep = jnp.broadcast_to(jnp.asarray(n_keep, jnp.int32), layer.lengths.shape)
+    n_recent = jnp.minimum(jnp.broadcast_to(jnp.asarray(n_recent, jnp.int32), n_keep.shape), n_keep)
+    n_sink = jnp.minimum(
+        jnp.broadcast_to(jnp.asarray(n_sink, jnp.int32), n_keep.shape), n_keep - n_recent
+    )
+    protected = valid & (
+        (recency_rank(layer) < n_recent[:, :, None]) | (age_rank(layer) < n_sink[:, :, None])
+    )
+    rest = n_keep - jnp.sum(protected, axis=-1)
+    return protected | top_n(scores, valid & ~protected, rest)

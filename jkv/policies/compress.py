@@ -1,0 +1,78 @@
+"""Apply a policy to a prefilled state: select per layer, compact into the smaller capacity."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jkv import kv as kvlib
+from jkv.policies.base import Context
+from pallas_kernels import kv_compact, kv_compact_reference
+
+
+def compact_fn(backend: str):
+    if backend == "xla":
+        return kv_compact_reference
+    return functools.partial(kv_compact, interpret=backend == "pallas_interpret")
+
+
+# Not donated: the compacted arrays are smaller, so XLA could not reuse the prompt's buffers;
+# the caller drops its reference and they are freed right after.
+@functools.partial(jax.jit, static_argnames=("config", "policy", "capacities", "backend", "budget"))
+def compress(
+    weights,
+    config,
+    state: kvlib.KVState,
+    tokens,
+    n_prompt,
+    *,
+    policy,
+    capacities: tuple[int, ...],
+    backend: str = "xla",
+    budget: int | None = None,
+) -> kvlib.KVState:
+    """Keeps each row's budget of its prompt's cache and frees the rest.
+
+    Args:
+      weights, config: the model (EffiCache differentiates it over the prompt).
+      state: the prefilled state; its slots hold the prompt in order.
+      tokens: `[B, T]` the prompt (padded), `n_prompt` `[B]` its real lengths.
+      policy: the `KVPolicy`.
+      capacities: slots per layer after compression (`policy.capacities(...)`).
+      backend: "xla" (jnp compaction) or a Pallas backend (the `kv_compact` kernel).
+      budget: keep this many tokens per row instead of the policy's prompt budget (an
+        evicting policy squeezing a continued state back to its fixed capacity).
+
+    Returns:
+      The compressed state, its `policy` set so decode steps keep applying it.
+    """
+    sensitivity = None
+    if policy.needs_sensitivity:
+        from jkv.policies.efficache import head_sensitivity
+
+        sensitivity = head_sensitivity(weights, config, tokens, n_prompt)
+    budgets = policy.row_budgets(n_prompt) if budget is None else jnp.full_like(n_prompt, budget)
+    ctx = Context(
+        prompt_lengths=n_prompt,
+        budgets=budgets,
+        now=state.next_position - 1,
+        num_layers=len(state.layers),
+        sensitivity=sensitivity,
+    )
+    fn = compact_fn(backend)
+    layers = []
+    for i, layer in enumerate(state.layers):
+        new = kvlib.compact(layer, policy.keep(i, layer, ctx), capacities[i], compact_fn=fn)
+        layers.append(new if policy.wants_mass else new.replace(scores=None))
+    return state.replace(layers=tuple(layers), policy=policy)
+
+
+def grow(state: kvlib.KVState, extra: int) -> kvlib.KVState:
+    """The state with `extra` empty slots added to every layer (fresh arrays: the caller's state
+    is left intact, so one compressed context can serve many questions)."""
+    return state.replace(
+        layers=tuple(kvlib.grow(x, extra) for x in state.layers),
+        next_position=jnp.array(state.next_position, copy=True),
+    )

@@ -1,0 +1,60 @@
+"""H2O, heavy-hitter oracle (Zhang et al., 2023): keep the tokens that have received the most
+attention, plus the most recent ones; evict the lowest every decode step at a fixed budget.
+
+Attention mass is accumulated per slot from the prompt's queries and then from every decode
+step (the `return_mass` output of `pallas_kernels.decode_attention`, read in the same pass as
+the attention itself). With `scorer="importance"` the mass is normalised by how many queries
+could see each token and the first `protect` tokens are kept (seed 2.2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax.numpy as jnp
+
+from jkv.policies.base import KVPolicy, check_int, keep_recent_and_top, valid_slots
+from jkv.policies.importance import token_importance
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class H2O(KVPolicy):
+    """`budget` tokens: the `recent` newest + the heaviest hitters by accumulated attention."""
+
+    name: ClassVar[str] = "h2o"
+    wants_mass: ClassVar[bool] = True
+    observes: ClassVar[bool] = True
+    evicts: ClassVar[bool] = True
+
+    budget: int | float = 256
+    recent: int = 32
+    scorer: str = "mass"  # or "importance" (seed 2.2)
+    protect: int = 4  # first tokens always kept under scorer="importance"
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_int("recent", self.recent)
+        check_int("protect", self.protect)
+        if self.scorer not in ("mass", "importance"):
+            raise ValueError(f"scorer={self.scorer!r} must be 'mass' or 'importance'")
+
+    def _scores(self, layer, now):
+        if self.scorer == "mass":
+            return layer.scores
+        return token_importance(layer.scores, layer.positions, now, protect=self.protect)
+
+    def keep(self, layer_index, layer, ctx):
+        b = ctx.budgets[:, None]
+        now = ctx.now[:, None, None]
+        return keep_recent_and_top(self._scores(layer, now), layer, b, jnp.minimum(self.recent, b))
+
+    def write_slots(self, layer, q_pos):
+        # Full: overwrite the lightest slot outside the recent window.
+        now = q_pos[:, None, None]
+        evictable = valid_slots(layer) & (layer.positions < now - self.recent)
+        if self.scorer == "importance":
+            evictable &= layer.positions >= self.protect
+        light = jnp.argmin(jnp.where(evictable, self._scores(layer, now), jnp.inf), axis=-1)
+        full = layer.lengths >= layer.capacity
+        return jnp.where(full, light, layer.lengths).astype(jnp.int32)

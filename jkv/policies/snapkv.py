@@ -1,0 +1,80 @@
+"""SnapKV (Li et al., 2024): the prompt's last `window` queries vote for the slots to keep.
+
+Votes are the queries' softmax attention summed over the window and over the G query heads of
+each kv head, smoothed by 1-D pooling (`kernel`, avg or max) so neighbours of a hit survive
+with it (`pallas_kernels.window_scores`). Each kv head keeps its own top slots; the window
+itself is always kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import ClassVar
+
+import jax.numpy as jnp
+
+from jkv.policies.base import KVPolicy, check_int, keep_recent_and_top
+from pallas_kernels import window_scores, window_scores_reference
+
+
+def window_queries(q, n_new, window: int):
+    """The last `window` real queries of each row: q `[B, T, N, H]` -> `[B, N, W, H]`.
+
+    A row shorter than the window repeats its first query in the missing places; the scorer
+    ignores those (their slot would be negative)."""
+    idx = jnp.clip(n_new[:, None] - window + jnp.arange(window), 0, q.shape[1] - 1)  # [B, W]
+    qw = jnp.take_along_axis(q, idx[:, :, None, None], axis=1)  # [B, W, N, H]
+    return jnp.swapaxes(qw, 1, 2)
+
+
+def window_vote(layer, q, n_new, *, window, kernel, pool, backend):
+    """Pooled window scores `[B, K, S]` float32 of a freshly prefilled layer."""
+    k = layer.k
+    if layer.k_scale is not None:  # the scorer reads float keys
+        k = k.astype(jnp.float32) * layer.k_scale[..., None].astype(jnp.float32)
+    k = k.astype(q.dtype)
+    qw = window_queries(q, n_new, window)
+    if backend == "xla":
+        fn = window_scores_reference
+    else:
+        fn = functools.partial(window_scores, interpret=backend == "pallas_interpret")
+    return fn(qw, k, layer.lengths, pool=pool, kernel_size=kernel)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SnapKV(KVPolicy):
+    """Per-kv-head top-`budget` by observation-window votes; the window always kept."""
+
+    name: ClassVar[str] = "snapkv"
+    observes: ClassVar[bool] = True
+
+    budget: int | float = 256
+    window: int = 32
+    kernel: int = 7
+    pool: str = "avg"
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_int("window", self.window, 1)
+        check_int("kernel", self.kernel, 1)
+        if self.kernel % 2 == 0:
+            raise ValueError(f"kernel={self.kernel} must be odd (pooling keeps slots centred)")
+        if self.pool not in ("avg", "max"):
+            raise ValueError(f"pool={self.pool!r} must be 'avg' or 'max'")
+
+    def observe(self, layer_index, layer, q, positions, n_new, mass, backend="xla"):
+        if q.shape[1] == 1 or layer.scores is None:  # votes come from the prompt only
+            return layer
+        votes = window_vote(
+            layer, q, n_new, window=self.window, kernel=self.kernel, pool=self.pool, backend=backend
+        )
+        return layer.replace(scores=votes)
+
+    def keep(self, layer_index, layer, ctx):
+        b = self.layer_budgets(layer_index, ctx)
+        return keep_recent_and_top(layer.scores, layer, b, jnp.minimum(self.window, b))
+
+    def layer_budgets(self, layer_index, ctx):
+        """`[B, 1]` int32 tokens each row keeps in this layer."""
+        return ctx.budgets[:, None]

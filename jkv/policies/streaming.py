@@ -1,0 +1,62 @@
+"""StreamingLLM (Xiao et al., 2023): attention sinks + a sliding window, as a ring buffer.
+
+The first `sink` tokens and the most recent `budget - sink` stay; once the cache is full each new
+token overwrites the oldest non-sink slot, so memory is constant however long generation runs.
+Keys are re-rotated to their positions *within the cache* (sinks 0..sink-1, then the window
+contiguously), and so is the query: relative distances never exceed the cache size, which is
+what lets generation continue far past the model's trained context.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax.numpy as jnp
+
+from jkv.policies.base import KVPolicy, check_int, keep_recent_and_top, valid_slots
+
+_BIG = jnp.iinfo(jnp.int32).max
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StreamingLLM(KVPolicy):
+    """Keeps `sink` attention sinks and a window of recent tokens; `budget` is their total."""
+
+    name: ClassVar[str] = "streaming"
+    evicts: ClassVar[bool] = True
+
+    budget: int | float = 256
+    sink: int = 4
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_int("sink", self.sink)
+        if isinstance(self.budget, int) and self.budget <= self.sink:
+            raise ValueError(
+                f"budget={self.budget} must exceed sink={self.sink} (room for a window)"
+            )
+
+    def keep(self, layer_index, layer, ctx):
+        b = ctx.budgets[:, None]
+        sink = jnp.minimum(self.sink, b)
+        return keep_recent_and_top(jnp.zeros(layer.positions.shape), layer, b, b - sink, sink)
+
+    def write_slots(self, layer, q_pos):
+        # Full: overwrite the oldest token that is not a sink (positions of sinks are < sink).
+        evictable = valid_slots(layer) & (layer.positions >= self.sink)
+        oldest = jnp.argmin(jnp.where(evictable, layer.positions, _BIG), axis=-1)
+        full = layer.lengths >= layer.capacity
+        return jnp.where(full, oldest, layer.lengths).astype(jnp.int32)
+
+    def cache_positions(self, layer, q_pos):
+        # The window is contiguous text: its rank is sink + (position - oldest window position).
+        valid = valid_slots(layer)
+        window = valid & (layer.positions >= self.sink)
+        w_min = jnp.min(jnp.where(window, layer.positions, _BIG), axis=-1, keepdims=True)
+        w_min = jnp.where(w_min == _BIG, self.sink, w_min)  # no window yet: identity
+        ranks = jnp.where(
+            layer.positions < self.sink, layer.positions, self.sink + layer.positions - w_min
+        )
+        q_rank = jnp.where(q_pos < self.sink, q_pos, self.sink + q_pos - w_min[:, 0, 0])
+        return jnp.where(valid, ranks, 0), q_rank

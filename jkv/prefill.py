@@ -1,0 +1,215 @@
+"""Prompt -> KV state: the first rung of the generation ladder, and `jkv.prefill`.
+
+`prefill_step` is the jitted forward over a padded prompt batch (lengths bucketed to powers of
+two, so recompiles stay bounded). `prepare` builds the state a request decodes from: a fresh
+cache, or a copy of a given state grown for the new tokens, then prefill, then the KV policy's
+compression, so what the policy drops never reaches the decode loop.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jkv import attention as attn
+from jkv import kv as kvlib
+from jkv import policies
+from jkv.params import Params
+from jkv.policies.compress import compress, grow
+from models.config import ModelConfig
+from models.llama import forward
+
+MIN_BUCKET = 16
+
+
+def bucket(n: int) -> int:
+    """Prompt lengths are padded to a power of two (at least MIN_BUCKET)."""
+    return max(MIN_BUCKET, 1 << (max(n, 1) - 1).bit_length())
+
+
+@functools.partial(
+    jax.jit, static_argnames=("config", "backend", "policy"), donate_argnames=("kv",)
+)
+def prefill_step(
+    weights,
+    config: ModelConfig,
+    tokens: jax.Array,
+    n_new: jax.Array,
+    kv: kvlib.KVState,
+    *,
+    backend: str = "xla",
+    policy=None,
+):
+    """Runs the prompt `[B, T]` (row b's first n_new[b] tokens are real) through the model.
+
+    Returns (logits `[B, V]` float32 at each row's last real token, the filled KV state).
+    """
+    t = tokens.shape[1]
+    positions = kv.next_position[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
+    attend = attn.make_attention(
+        n_new,
+        sliding_window=config.sliding_window,
+        backend=backend,
+        policy=policy,
+        inv_freq=jnp.asarray(config.inv_freq()),
+    )
+    logits, layers = forward(
+        weights, config, tokens, positions, kv.layers, attend, logits_at=jnp.maximum(n_new - 1, 0)
+    )
+    return logits, kv.replace(layers=layers, next_position=kv.next_position + n_new)
+
+
+# ------------------------------------------------------------------ prompts
+def _as_ids(params: Params, prompt, index: int | None) -> list[int]:
+    where = "prompt" if index is None else f"prompt[{index}]"
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError(f"{where} is empty; expected some text")
+        if params.tokenizer is None:
+            raise ValueError(f"{where} is text but the params carry no tokenizer; pass token ids")
+        ids = params.tokenizer.encode(prompt)
+    elif isinstance(prompt, Sequence | np.ndarray) and all(
+        isinstance(t, int | np.integer) and not isinstance(t, bool) for t in prompt
+    ):
+        ids = [int(t) for t in prompt]
+    else:
+        raise ValueError(f"{where}={prompt!r:.80} must be a str or a list of token ids")
+    if not ids:
+        raise ValueError(f"{where} is empty; expected at least one token")
+    vocab = params.config.vocab_size
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"{where} holds token id {bad[0]}; expected ids in [0, {vocab})")
+    return ids
+
+
+def encode_prompts(params: Params, prompt) -> tuple[list[list[int]], bool]:
+    """Token-id lists for a prompt or a batch of prompts, and whether it was a batch."""
+    if isinstance(prompt, list | tuple) and not prompt:
+        raise ValueError("prompt=[] is empty; expected a str, a list of token ids, or a batch")
+    is_batch = isinstance(prompt, list | tuple) and all(
+        isinstance(p, str | list | tuple | np.ndarray) for p in prompt
+    )
+    if is_batch:
+        return [_as_ids(params, p, i) for i, p in enumerate(prompt)], True
+    return [_as_ids(params, prompt, None)], False
+
+
+# ------------------------------------------------------------------ the state a request needs
+def _check_state(state, batch: int, kv_dtype: str | None) -> None:
+    if not isinstance(state, kvlib.KVState):
+        raise ValueError(
+            f"kv_state is a {type(state).__name__}; expected the KVState that jkv.prefill returned"
+        )
+    if state.batch_size != batch:
+        raise ValueError(f"kv_state holds {state.batch_size} rows but {batch} prompts were given")
+    if kv_dtype is not None and kv_dtype != state.dtype:
+        raise ValueError(f"kv_dtype={kv_dtype!r} differs from the kv_state's {state.dtype!r}")
+
+
+def prepare(
+    params: Params,
+    prompts: list[list[int]],
+    *,
+    policy,
+    kv_dtype: str,
+    backend: str,
+    max_new_tokens: int,
+    kv_state: kvlib.KVState | None = None,
+):
+    """Prefills `prompts` into a state ready to decode `max_new_tokens` more tokens per row.
+
+    Without `kv_state`: a fresh cache; the policy (if any) compresses the prompt's cache.
+    With `kv_state` (from `jkv.prefill`): the prompts continue it, uncompressed (its policy
+    keeps evicting if it evicts); the given state is left intact.
+
+    Returns:
+      (logits `[B, V]` at each row's last token, the state, its policy).
+    """
+    cfg = params.config
+    lengths = [len(p) for p in prompts]
+    t = bucket(max(lengths))
+    tokens = np.zeros((len(prompts), t), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    tokens, n_new = jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32)
+
+    if kv_state is not None:
+        policy = kv_state.policy
+        headroom = 0 if policy is not None and policy.evicts else max_new_tokens
+        kv = grow(kv_state, t + headroom)
+    else:
+        capacity = t if policy is not None else t + max_new_tokens
+        kv = kvlib.init_state(
+            num_layers=cfg.num_layers,
+            batch=len(prompts),
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            capacity=capacity,
+            dtype=kv_dtype,
+            scores=policy is not None and policy.observes,
+        )
+    if params.mesh is not None:
+        from jkv.sharding import shard_kv
+
+        kv = shard_kv(kv, params.mesh)
+    logits, kv = prefill_step(
+        params.weights, cfg, tokens, n_new, kv, backend=backend, policy=policy
+    )
+    if kv_state is None and policy is not None:
+        caps = policy.capacities(cfg.num_layers, max(lengths), max_new_tokens)
+        kv = compress(
+            params.weights, cfg, kv, tokens, n_new, policy=policy, capacities=caps, backend=backend
+        )
+    elif kv_state is not None and policy is not None and policy.evicts:
+        # Back to the fixed capacity: the policy's rule picks what the new tokens displace.
+        caps = tuple(x.capacity for x in kv_state.layers)
+        kv = compress(
+            params.weights,
+            cfg,
+            kv,
+            tokens,
+            n_new,
+            policy=policy,
+            capacities=caps,
+            backend=backend,
+            budget=caps[0],
+        )
+    return logits, kv, policy
+
+
+def prefill(
+    params: Params, context, *, kv_policy=None, kv_budget=None, kv_dtype=None, backend=None
+) -> kvlib.KVState:
+    """Prefills (and compresses) a context once, to continue later from the returned state.
+
+    `jkv.generate(params, question, kv_state=state)` then appends the question to the
+    compressed context and decodes: kvpress's question-agnostic protocol, the honest way to
+    score compression (the policy never sees the question). The state can serve many
+    questions; each generate call works on a copy.
+
+    Args:
+      params: from `jkv.load`.
+      context: a str, token ids, or a batch of either.
+      kv_policy, kv_budget: a `jkv.policies.KVPolicy`, or a name with a budget (tokens or a
+        ratio of the context).
+      kv_dtype: KV storage dtype (default: the params' dtype).
+      backend: attention backend ("xla", "pallas", "pallas_interpret").
+
+    Returns:
+      The `KVState` (its `policy` attached).
+    """
+    if not isinstance(params, Params):
+        raise ValueError(f"params is a {type(params).__name__}; expected jkv.Params")
+    policy = policies.resolve(kv_policy, kv_budget)
+    kv_dtype = kvlib.validate_kv_dtype(kv_dtype or params.config.dtype)
+    backend = attn.validate_backend(backend)
+    prompts, _ = encode_prompts(params, context)
+    _, state, _ = prepare(
+        params, prompts, policy=policy, kv_dtype=kv_dtype, backend=backend, max_new_tokens=0
+    )
+    return state
