@@ -44,6 +44,7 @@ test: $(DEV_STAMP) redis
 bench: $(BENCH_STAMP)
 	$(PY) benchmarks/decode_cpu.py
 	$(PY) benchmarks/kernels_cpu.py
+	$(PY) benchmarks/kv_memory.py
 
 lint: $(DEV_STAMP)
 	$(PY) -m ruff check .

@@ -8,7 +8,9 @@ Two criteria per (layer, kv head), per row:
   entropy      of the head's observation-window attention (SnapKV's votes over the prompt,
                normalised to a distribution): diffuse heads spread their mass thin.
 Heads are ranked by low sensitivity and by high entropy; the `prune_ratio` of each layer's kv
-heads with the best combined rank are pruned. With the dense `[B, K, S, H]` layout a layer
+heads with the best combined rank are pruned. With `grad_threshold` and `entropy_threshold` set,
+the seed's rule applies instead: prune where sensitivity < grad_threshold AND entropy >
+entropy_threshold (absolute thresholds depend on the model and prompt; ranks do not). With the dense `[B, K, S, H]` layout a layer
 allocates the unpruned heads' budget for all of its heads; the pruned heads' savings show in
 `kv_bytes_used` (real per-head savings need the paged pool).
 """
@@ -76,6 +78,8 @@ class EffiCache(SnapKV):
     prune_ratio: float = 0.5
     sink: int = 4
     short_window: int = 16
+    grad_threshold: float | None = None
+    entropy_threshold: float | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -83,15 +87,25 @@ class EffiCache(SnapKV):
             raise ValueError(f"prune_ratio={self.prune_ratio} must be in [0, 1]")
         check_int("sink", self.sink)
         check_int("short_window", self.short_window)
+        if (self.grad_threshold is None) != (self.entropy_threshold is None):
+            raise ValueError(
+                f"grad_threshold={self.grad_threshold} and entropy_threshold="
+                f"{self.entropy_threshold}: give both (the seed's rule) or neither"
+            )
 
     def keep(self, layer_index, layer, ctx):
         full = super().keep(layer_index, layer, ctx)  # SnapKV's selection for kept heads
         valid = valid_slots(layer)
-        pruned = prune_heads(
-            ctx.sensitivity[:, layer_index],
-            attention_entropy(layer.scores, valid),
-            self.prune_ratio,
-        )
+        sens = ctx.sensitivity[:, layer_index]
+        entropy = attention_entropy(layer.scores, valid)
+        if self.grad_threshold is not None:
+            pruned = (sens < self.grad_threshold) & (entropy > self.entropy_threshold)
+        else:
+            pruned = prune_heads(
+                sens,
+                entropy,
+                self.prune_ratio,
+            )
         b = ctx.budgets[:, None]
         sink = jnp.minimum(self.sink, b)
         win = jnp.minimum(self.short_window, b - sink)

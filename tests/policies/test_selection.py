@@ -119,6 +119,20 @@ def test_efficache(rng):
             assert got[(i, j)] == want
 
 
+def test_efficache_seed_thresholds(rng):
+    layer = random_layer(rng, kh=4)
+    sens = jnp.asarray(rng.random((3, 4, 4)), jnp.float32)
+    policy = EffiCache(
+        budget=12, window=3, sink=2, short_window=3, grad_threshold=0.5, entropy_threshold=0.0
+    )
+    got = kept_sets(policy.keep(2, layer, context(layer, policy, sensitivity=sens)), layer)
+    lengths = np.asarray(layer.lengths)
+    for i in range(3):
+        for j in range(4):
+            pruned = float(sens[i, 2, j]) < 0.5  # every head's entropy is > 0
+            assert len(got[(i, j)]) == (min(5, lengths[i, j]) if pruned else min(12, lengths[i, j]))
+
+
 @pytest.mark.parametrize("keep_norms", ["high", "low"])
 def test_quantile_is_per_head(rng, keep_norms):
     layer = random_layer(rng, kh=3)
@@ -173,6 +187,7 @@ def test_h2o_write_slot_evicts_lightest_outside_recent(rng):
         (lambda: PyramidKV(beta=0.5), r"beta=0.5 must be a number >= 1"),
         (lambda: AdaKV(alpha_safeguard=2), r"alpha_safeguard=2 must be in \[0, 1\]"),
         (lambda: EffiCache(prune_ratio=-1), r"prune_ratio=-1 must be in \[0, 1\]"),
+        (lambda: EffiCache(grad_threshold=0.1), r"give both \(the seed's rule\) or neither"),
         (lambda: Quantile(q=1.0), r"q=1.0 must be a quantile in \[0, 1\)"),
         (lambda: Quantile(keep_norms="mid"), r"keep_norms='mid' must be 'high' or 'low'"),
     ],
