@@ -5,6 +5,7 @@ result = jkv.generate(params, "The capital of France is", max_new_tokens=32)
 print(result.text, result.kv_bytes)
 """
 
+from jkv.cache import ResponseCache
 from jkv.checkpoints import convert, load
 from jkv.checkpoints import save as _save
 from jkv.generate import GenerationResult, generate, logits, stream
@@ -39,6 +40,7 @@ __all__ = [
     "Params",
     "PyramidKV",
     "Quantile",
+    "ResponseCache",
     "SnapKV",
     "StreamingLLM",
     "convert",

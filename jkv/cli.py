@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("model", help="a checkpoint folder or a preset name")
     i.add_argument("--json", action="store_true")
 
+    from jkv.cache import cli as cache_cli
+
+    cache_cli.add_subcommands(sub)
+
     m = sub.add_parser("memory", help="KV-cache bytes for a model, batch, context and policy")
     m.add_argument("model", help="a checkpoint folder or a preset name")
     m.add_argument("--batch", type=int, default=1)
@@ -248,7 +252,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"jkv {__version__}")
             return 0
         if args.command is None:
-            raise UsageError("a command is required: " + ", ".join(COMMANDS))
+            raise UsageError("a command is required: " + ", ".join([*COMMANDS, "cache"]))
+        if args.command == "cache":
+            from jkv.cache import cli as cache_cli
+
+            return cache_cli.run(args)
         return COMMANDS[args.command](args)
     except (UsageError, ValueError) as e:
         print(f"jkv: error: {e}", file=sys.stderr)

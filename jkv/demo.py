@@ -52,6 +52,12 @@ def main(argv=None) -> int:
             f"  KV state {results[0].kv_bytes:,} bytes, "
             f"decode {s['decode_tokens_per_s']:.0f} tokens/s, prefill {s['prefill_s'] * 1e3:.1f} ms"
         )
+    cache = jkv.ResponseCache()  # L1 only; pass a redis:// URL to share it between nodes
+    first = jkv.generate(params, prompts[0], max_new_tokens=24, cache=cache)
+    again = jkv.generate(params, "  " + prompts[0].replace(" ", "  ") + "\n", max_new_tokens=24,
+                         cache=cache)
+    print(f"\n[demo] response cache: first call answered by {first.cache or 'the model'}, a "
+          f"whitespace variant by {again.cache} (same text: {again.text == first.text})")
     print("\n[demo] streaming: ", end="")
     for piece in jkv.stream(params, "w1 w2 w3", max_new_tokens=12):
         print(piece, end="", flush=True)

@@ -397,6 +397,7 @@ def generate(
     kv_policy=None,
     kv_budget: int | float | None = None,
     kv_state=None,
+    cache=None,
 ):
     """Generates a continuation of `prompt` (or of each prompt of a batch).
 
@@ -422,6 +423,11 @@ def generate(
       kv_budget: with a policy name: tokens kept (int) or a ratio of each prompt (float).
       kv_state: a state from `jkv.prefill` to continue (the prompt is appended to it; the
         state itself is not consumed).
+      cache: a `jkv.ResponseCache`: answers come from L1, then L2 (Redis), then the model,
+        which fills both; `result.cache` says which level answered. Text prompts are
+        whitespace-normalised first (the cache key's rule), so a cached answer is exactly the
+        model's answer to the prompt it stands for. Not used with `kv_state` (the state is
+        not part of the key).
 
     Returns:
       A `GenerationResult`, or a list of them for a batch.
@@ -444,13 +450,21 @@ def generate(
         kv_policy=kv_policy,
         kv_budget=kv_budget,
     )
-    prompts, is_batch = encode_prompts(params, prompt)
     if req.stop and params.tokenizer is None:
         raise ValueError("stop strings need a tokenizer; these params carry none")
+    if cache is not None and kv_state is None:
+        from jkv.cached import generate_cached
+
+        return generate_cached(params, prompt, req, cache, _run)
+    prompts, is_batch = encode_prompts(params, prompt)
+    results = _run(params, prompts, req, kv_state)
+    return results if is_batch else results[0]
+
+
+def _run(params: Params, prompts: list[list[int]], req: Request, kv_state=None):
     session = Session(params, prompts, req, kv_state=kv_state)
     session.run()
-    results = session.results()
-    return results if is_batch else results[0]
+    return session.results()
 
 
 def stream(params: Params, prompt, **kwargs) -> Iterator[str]:

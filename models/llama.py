@@ -231,6 +231,11 @@ def param_shapes(config: ModelConfig) -> dict:
     return jax.eval_shape(lambda k: init_params(config, k), jax.random.key(0))
 
 
+def hidden_states(params, config: ModelConfig, tokens, positions):
+    """Final-norm hidden states `[B, T, D]` of a cache-free causal pass (embeddings, probes)."""
+    return Llama(config).apply({"params": params}, tokens, positions)[0]
+
+
 def forward(
     params,
     config: ModelConfig,

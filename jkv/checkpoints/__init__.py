@@ -19,11 +19,14 @@ def load(
     mesh=None,
     progress: bool = False,
 ) -> Params:
-    """Loads a Hugging Face checkpoint folder or a folder written by `jkv.save`.
+    """Loads a Hugging Face checkpoint folder, a folder written by `jkv.save`, or "demo" (the
+    bundled demo model).
 
     Raises:
       ValueError: the path does not exist or holds neither format.
     """
+    if str(path) == "demo":
+        return load_demo(name=name, dtype=dtype, mesh=mesh)
     folder = Path(path)
     if not folder.exists():
         raise ValueError(f"path={str(path)!r} does not exist; expected a checkpoint folder")
@@ -37,6 +40,18 @@ def load(
         f"path={str(path)!r} holds neither a Hugging Face checkpoint (config.json + *.safetensors) "
         f"nor a jkv checkpoint (jkv.json)"
     )
+
+
+DEMO_DIR = Path(__file__).resolve().parents[2] / "models" / "demo"
+
+
+def load_demo(*, name=None, dtype=None, mesh=None) -> Params:
+    """The bundled demo model (models/demo/, a Hugging Face folder trained by
+    models/train_demo.py), offline."""
+    if not (DEMO_DIR / "config.json").is_file():
+        raise ValueError(f"the demo model is not bundled at {DEMO_DIR}; `make train-demo` "
+                         f"trains it")
+    return load_hf(DEMO_DIR, dtype=dtype, name=name or "jkv-demo", mesh=mesh, progress=False)
 
 
 def convert(
