@@ -8,6 +8,7 @@ print(result.text, result.kv_bytes)
 from jkv.cache import ResponseCache
 from jkv.checkpoints import convert, load
 from jkv.checkpoints import save as _save
+from jkv.checkpoints.export import export_hf
 from jkv.generate import GenerationResult, generate, logits, stream
 from jkv.memory import MemoryReport, memory
 from jkv.params import Params
@@ -44,6 +45,7 @@ __all__ = [
     "SnapKV",
     "StreamingLLM",
     "convert",
+    "export_hf",
     "generate",
     "load",
     "logits",

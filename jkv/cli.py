@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--name", default=None)
     c.add_argument("--overwrite", action="store_true")
 
+    e = sub.add_parser("export-hf", help="write a checkpoint (or 'demo') as a Hugging Face folder")
+    e.add_argument("model", help="a checkpoint folder or 'demo'")
+    e.add_argument("out_dir")
+    e.add_argument("--overwrite", action="store_true")
+
     i = sub.add_parser("info", help="architecture, parameter count and KV bytes per token")
     i.add_argument("model", help="a checkpoint folder or a preset name")
     i.add_argument("--json", action="store_true")
@@ -160,6 +165,14 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_export_hf(args) -> int:
+    import jkv
+
+    out = jkv.export_hf(jkv.load(args.model), args.out_dir, overwrite=args.overwrite)
+    print(f"wrote {out}")
+    return 0
+
+
 def cmd_generate(args) -> int:
     import jkv
 
@@ -239,6 +252,7 @@ COMMANDS = {
     "convert": cmd_convert,
     "info": cmd_info,
     "memory": cmd_memory,
+    "export-hf": cmd_export_hf,
 }
 
 

@@ -456,7 +456,7 @@ def generate(
         from jkv.cached import generate_cached
 
         return generate_cached(params, prompt, req, cache, _run)
-    prompts, is_batch = encode_prompts(params, prompt)
+    prompts, is_batch = encode_prompts(params, prompt, continuation=kv_state is not None)
     results = _run(params, prompts, req, kv_state)
     return results if is_batch else results[0]
 
@@ -476,7 +476,7 @@ def stream(params: Params, prompt, **kwargs) -> Iterator[str]:
     req = Request.build(params, **{**_GENERATE_DEFAULTS, **kwargs})
     if params.tokenizer is None:
         raise ValueError("stream needs a tokenizer to produce text; these params carry none")
-    prompts, is_batch = encode_prompts(params, prompt)
+    prompts, is_batch = encode_prompts(params, prompt, continuation=kv_state is not None)
     if is_batch:
         raise ValueError(f"stream takes one prompt; got a batch of {len(prompts)}")
     session = Session(params, prompts, req, kv_state=kv_state)

@@ -32,7 +32,7 @@ def bucket(n: int) -> int:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("config", "backend", "policy"), donate_argnames=("kv",)
+    jax.jit, static_argnames=("config", "backend", "policy", "all_logits"), donate_argnames=("kv",)
 )
 def prefill_step(
     weights,
@@ -43,10 +43,12 @@ def prefill_step(
     *,
     backend: str = "xla",
     policy=None,
+    all_logits: bool = False,
 ):
     """Runs the prompt `[B, T]` (row b's first n_new[b] tokens are real) through the model.
 
-    Returns (logits `[B, V]` float32 at each row's last real token, the filled KV state).
+    Returns (logits float32 `[B, V]` at each row's last real token, or `[B, T, V]` with
+    `all_logits`; the filled KV state).
     """
     t = tokens.shape[1]
     positions = kv.next_position[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
@@ -58,20 +60,26 @@ def prefill_step(
         inv_freq=jnp.asarray(config.inv_freq()),
     )
     logits, layers = forward(
-        weights, config, tokens, positions, kv.layers, attend, logits_at=jnp.maximum(n_new - 1, 0)
+        weights,
+        config,
+        tokens,
+        positions,
+        kv.layers,
+        attend,
+        logits_at=None if all_logits else jnp.maximum(n_new - 1, 0),
     )
     return logits, kv.replace(layers=layers, next_position=kv.next_position + n_new)
 
 
 # ------------------------------------------------------------------ prompts
-def _as_ids(params: Params, prompt, index: int | None) -> list[int]:
+def _as_ids(params: Params, prompt, index: int | None, special: bool = True) -> list[int]:
     where = "prompt" if index is None else f"prompt[{index}]"
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError(f"{where} is empty; expected some text")
         if params.tokenizer is None:
             raise ValueError(f"{where} is text but the params carry no tokenizer; pass token ids")
-        ids = params.tokenizer.encode(prompt)
+        ids = params.tokenizer.encode(prompt, add_special_tokens=special)
     elif isinstance(prompt, Sequence | np.ndarray) and all(
         isinstance(t, int | np.integer) and not isinstance(t, bool) for t in prompt
     ):
@@ -87,16 +95,20 @@ def _as_ids(params: Params, prompt, index: int | None) -> list[int]:
     return ids
 
 
-def encode_prompts(params: Params, prompt) -> tuple[list[list[int]], bool]:
-    """Token-id lists for a prompt or a batch of prompts, and whether it was a batch."""
+def encode_prompts(params: Params, prompt, *, continuation: bool = False):
+    """Token-id lists for a prompt or a batch of prompts, and whether it was a batch.
+
+    A `continuation` (text appended to a prefilled state) is encoded without the tokenizer's
+    special tokens: no second `<s>` in the middle of the sequence.
+    """
     if isinstance(prompt, list | tuple) and not prompt:
         raise ValueError("prompt=[] is empty; expected a str, a list of token ids, or a batch")
     is_batch = isinstance(prompt, list | tuple) and all(
         isinstance(p, str | list | tuple | np.ndarray) for p in prompt
     )
     if is_batch:
-        return [_as_ids(params, p, i) for i, p in enumerate(prompt)], True
-    return [_as_ids(params, prompt, None)], False
+        return [_as_ids(params, p, i, not continuation) for i, p in enumerate(prompt)], True
+    return [_as_ids(params, prompt, None, not continuation)], False
 
 
 # ------------------------------------------------------------------ the state a request needs
@@ -213,3 +225,50 @@ def prefill(
         params, prompts, policy=policy, kv_dtype=kv_dtype, backend=backend, max_new_tokens=0
     )
     return state
+
+
+def score(params: Params, text, *, kv_state: kvlib.KVState | None = None, backend=None):
+    """Log-probabilities the model gives each next token of `text` (one row), continuing
+    `kv_state` if given (e.g. a context compressed by a policy): perplexity under compression.
+
+    Returns:
+      float32 numpy `[n - 1]`: log p(token_i | the state and text[:i]) for i = 1..n-1.
+    """
+    if not isinstance(params, Params):
+        raise ValueError(f"params is a {type(params).__name__}; expected jkv.Params")
+    backend = attn.validate_backend(backend)
+    rows, is_batch = encode_prompts(params, text, continuation=kv_state is not None)
+    if is_batch:
+        raise ValueError(f"score takes one text; got a batch of {len(rows)}")
+    ids = rows[0]
+    if len(ids) < 2:
+        raise ValueError(f"text has {len(ids)} token(s); scoring needs at least 2")
+    t = bucket(len(ids))
+    tokens = np.zeros((1, t), np.int32)
+    tokens[0, : len(ids)] = ids
+    cfg = params.config
+    if kv_state is not None:
+        _check_state(kv_state, 1, None)
+        kv, policy = grow(kv_state, t), kv_state.policy
+    else:
+        kv = kvlib.init_state(
+            num_layers=cfg.num_layers,
+            batch=1,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            capacity=t,
+            dtype=cfg.dtype,
+        )
+        policy = None
+    logits, _ = prefill_step(
+        params.weights,
+        cfg,
+        jnp.asarray(tokens),
+        jnp.asarray([len(ids)], jnp.int32),
+        kv,
+        backend=backend,
+        policy=policy,
+        all_logits=True,
+    )
+    logp = np.asarray(jax.nn.log_softmax(logits[0, : len(ids) - 1], axis=-1))
+    return logp[np.arange(len(ids) - 1), np.asarray(ids[1:])].astype(np.float32)
