@@ -55,4 +55,25 @@ def export_hf(params: Params, folder: str | Path, *, overwrite: bool = False) ->
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     if params.tokenizer is not None:
         params.tokenizer.save(folder / "tokenizer.json")
+        (folder / "tokenizer_config.json").write_text(
+            json.dumps(_tokenizer_config(params.tokenizer, cfg), indent=2) + "\n"
+        )
     return folder
+
+
+def _tokenizer_config(tokenizer, cfg) -> dict:
+    """What `transformers.AutoTokenizer` needs beside tokenizer.json."""
+    inner = tokenizer.inner
+
+    def token(i):
+        return None if i is None else inner.id_to_token(int(i))
+
+    eos = cfg.eos_token_ids[0] if cfg.eos_token_ids else None
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": token(cfg.bos_token_id),
+        "eos_token": token(eos),
+        "unk_token": token(inner.token_to_id("<unk>")),
+        "model_max_length": cfg.max_position_embeddings,
+        "clean_up_tokenization_spaces": False,
+    }
