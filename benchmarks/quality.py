@@ -1,0 +1,484 @@
+"""What KV compression costs, measured on the demo model, beside kvpress on the same prompts.
+
+For each policy x budget (kept fraction of the context) x context length:
+  - retrieval accuracy on haystack documents, question-agnostic (the context is compressed
+    by `jkv.prefill` before the question exists, then `generate(question, kv_state=...)`:
+    kvpress's protocol) and query-aware (the whole prompt, question included, is compressed);
+  - agreement with the full-cache output on free-text continuation: ROUGE-L and BLEU;
+  - perplexity change on held-out filler continued from the compressed context;
+  - KV bytes and decode tokens/s.
+Also the seed's 2.4 table (logit top-k ratio while sampling: BLEU / ROUGE-L against the
+unpruned output) and StreamingLLM's perplexity far past the trained context.
+With `--peer kvpress`, kvpress's presses run on the HF export of the same model, same prompts.
+
+    python benchmarks/quality.py [--model demo] [--docs 100] [--peer kvpress] [--tiny]
+Writes quality.json, quality.md, quality.png (and streaming_ppl.png) under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault(
+    "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=true intra_op_parallelism_threads=2"
+)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+POLICIES = ["streaming", "snapkv", "h2o", "pyramidkv", "adakv", "efficache", "quantile"]
+RATIOS = [0.05, 0.1, 0.25, 0.5]
+KVPRESS_FOR = {  # the kvpress press of the same method, for the side-by-side rows
+    "snapkv": "snapkv",
+    "streaming": "streaming",
+    "h2o": "observed_attention",
+    "pyramidkv": "pyramidkv",
+    "quantile": "knorm",
+}
+
+
+# ---------------------------------------------------------------------------- data
+def haystack_examples(seed: int, n: int, context: int, facts: int):
+    """(context, question, answer) triples; the prompt is split at its last "Question"."""
+    import numpy as np
+
+    from models.haystack import make_example
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        ex = make_example(rng, context, facts)
+        head, _, tail = ex.prompt.rpartition("Question :")
+        out.append((head.strip(), "Question :" + tail, ex.answer))
+    return out
+
+
+def filler_texts(seed: int, n: int, context: int, continuation: int):
+    """(prompt, held-out continuation) pairs of plain filler."""
+    import numpy as np
+
+    from models.haystack import make_filler
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        words = make_filler(rng, context + continuation).split()
+        out.append((" ".join(words[:context]), " ".join(words[context:])))
+    return out
+
+
+# ---------------------------------------------------------------------------- scores
+def rouge_l(hyp: str, ref: str) -> float:
+    from rouge_score import rouge_scorer
+
+    class Words:  # keep the word tokens as they are (digits and punctuation included)
+        def tokenize(self, text):
+            return text.split()
+
+    scorer = rouge_scorer.RougeScorer(["rougeL"], tokenizer=Words())
+    return scorer.score(ref, hyp)["rougeL"].fmeasure
+
+
+def bleu(hyp: str, ref: str) -> float:
+    import sacrebleu
+
+    return sacrebleu.sentence_bleu(hyp, [ref], tokenize="none").score / 100.0
+
+
+def exact(text: str, answer: str) -> bool:
+    return text.split()[: len(answer.split())] == answer.split()
+
+
+# ---------------------------------------------------------------------------- jkv runs
+def _batches(items, size):
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
+
+
+def jkv_accuracy(params, examples, policy, ratio, mode, *, batch=16):
+    """Exact-match accuracy, KV bytes and decode tokens/s of one setting."""
+    import jkv
+
+    right, kv_bytes, speeds = 0, [], []
+    for chunk in _batches(examples, batch):
+        kw = dict(max_new_tokens=6)
+        if policy is not None:
+            kw.update(kv_policy=policy, kv_budget=ratio)
+        if mode == "agnostic":
+            state = jkv.prefill(
+                params,
+                [c for c, _, _ in chunk],
+                **{k: v for k, v in kw.items() if k != "max_new_tokens"},
+            )
+            out = jkv.generate(params, [q for _, q, _ in chunk], kv_state=state, max_new_tokens=6)
+        else:
+            out = jkv.generate(params, [c + " " + q for c, q, _ in chunk], **kw)
+        right += sum(exact(r.text, a) for r, (_, _, a) in zip(out, chunk, strict=True))
+        kv_bytes.append(out[0].kv_bytes / len(chunk))
+        speeds.append(out[0].stats["decode_tokens_per_s"])
+    return {
+        "accuracy": right / len(examples),
+        "kv_bytes_per_row": sum(kv_bytes) / len(kv_bytes),
+        "decode_tokens_per_s": sum(speeds) / len(speeds),
+    }
+
+
+def jkv_free_text(params, fillers, policy, ratio, reference, *, new_tokens=32):
+    import jkv
+
+    kw = {} if policy is None else dict(kv_policy=policy, kv_budget=ratio)
+    out = jkv.generate(params, [p for p, _ in fillers], max_new_tokens=new_tokens, **kw)
+    texts = [r.text for r in out]
+    if reference is None:
+        return texts, {}
+    n = len(texts)
+    return texts, {
+        "rouge_l": sum(rouge_l(h, r) for h, r in zip(texts, reference, strict=True)) / n,
+        "bleu": sum(bleu(h, r) for h, r in zip(texts, reference, strict=True)) / n,
+    }
+
+
+def jkv_perplexity(params, fillers, policy, ratio):
+    """exp(mean NLL) of the held-out continuations given the (compressed) prompt."""
+    import numpy as np
+
+    import jkv
+    from jkv.prefill import score
+
+    nll = []
+    for prompt, cont in fillers:
+        kw = {} if policy is None else dict(kv_policy=policy, kv_budget=ratio)
+        state = jkv.prefill(params, prompt, **kw)
+        nll.extend(-score(params, cont, kv_state=state))
+    return float(math.exp(np.mean(nll)))
+
+
+def logit_keep_table(params, fillers, keep_ratios, *, new_tokens=32, seed=7):
+    """The seed's 2.4 table: sampled continuations with the logit keep ratio vs without."""
+    import jkv
+
+    prompts = [p for p, _ in fillers]
+    base = [
+        r.text
+        for r in jkv.generate(
+            params, prompts, max_new_tokens=new_tokens, temperature=1.0, seed=seed
+        )
+    ]
+    rows = []
+    for keep in keep_ratios:
+        out = [
+            r.text
+            for r in jkv.generate(
+                params,
+                prompts,
+                max_new_tokens=new_tokens,
+                temperature=1.0,
+                seed=seed,
+                logit_keep_ratio=keep,
+            )
+        ]
+        n = len(out)
+        rows.append(
+            {
+                "logit_keep_ratio": keep,
+                "rouge_l": sum(rouge_l(h, r) for h, r in zip(out, base, strict=True)) / n,
+                "bleu": sum(bleu(h, r) for h, r in zip(out, base, strict=True)) / n,
+            }
+        )
+    return rows
+
+
+# ---------------------------------------------------------------------------- report
+def markdown(results) -> str:
+    lines = ["# Compression quality", "", f"model: {results['model']}", ""]
+    for mode in ("agnostic", "aware"):
+        lines += [
+            f"## Retrieval accuracy, {mode}",
+            "",
+            "| context | method | " + " | ".join(f"{r:.0%}" for r in results["ratios"]) + " |",
+            "|---|---|" + "---|" * len(results["ratios"]),
+        ]
+        for ctx in results["contexts"]:
+            full = next(
+                (
+                    r["accuracy"]
+                    for r in results["accuracy"]
+                    if r["method"] == "full" and r["context"] == ctx and r["mode"] == mode
+                ),
+                None,
+            )
+            lines.append(
+                f"| {ctx} | full cache | {full:.2f} |" + " |" * (len(results["ratios"]) - 1)
+            )
+            methods = dict.fromkeys(
+                (r["peer"], r["method"]) for r in results["accuracy"] if r["method"] != "full"
+            )
+            for peer, method in methods:
+                cells = []
+                for ratio in results["ratios"]:
+                    row = next(
+                        (
+                            r
+                            for r in results["accuracy"]
+                            if r["peer"] == peer
+                            and r["method"] == method
+                            and r["ratio"] == ratio
+                            and r["context"] == ctx
+                            and r["mode"] == mode
+                        ),
+                        None,
+                    )
+                    cells.append(
+                        "-"
+                        if row is None
+                        else ("err" if "error" in row else f"{row['accuracy']:.2f}")
+                    )
+                lines.append(f"| {ctx} | {peer} {method} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += [
+        "## Free-text agreement with the full cache (ROUGE-L / BLEU) and perplexity",
+        "",
+        "| context | method | ratio | ROUGE-L | BLEU | ppl ratio |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in results["free_text"]:
+        ppl = r.get("ppl_ratio")
+        lines.append(
+            f"| {r['context']} | {r['peer']} {r['method']} | {r['ratio']:.0%} | "
+            f"{r['rouge_l']:.3f} | {r['bleu']:.3f} | "
+            + ("-" if ppl is None else f"{ppl:.3f}")
+            + " |"
+        )
+    lines += [
+        "",
+        "## Seed 2.4: logit keep ratio while sampling vs unpruned sampling",
+        "",
+        "| keep ratio | ROUGE-L | BLEU |",
+        "|---|---|---|",
+    ]
+    for r in results["logit_keep"]:
+        lines.append(f"| {r['logit_keep_ratio']} | {r['rouge_l']:.3f} | {r['bleu']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ctx = max(results["contexts"])
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, mode in zip(axes, ("agnostic", "aware"), strict=True):
+        methods = dict.fromkeys(
+            (r["peer"], r["method"]) for r in results["accuracy"] if r["method"] != "full"
+        )
+        for peer, method in methods:
+            pts = sorted(
+                (r["ratio"], r["accuracy"])
+                for r in results["accuracy"]
+                if r["peer"] == peer
+                and r["method"] == method
+                and r["context"] == ctx
+                and r["mode"] == mode
+                and "error" not in r
+            )
+            if pts:
+                ax.plot(
+                    [1 / p[0] for p in pts],
+                    [p[1] for p in pts],
+                    marker="o",
+                    linestyle="-" if peer == "jkv" else "--",
+                    label=f"{peer} {method}",
+                )
+        full = [
+            r["accuracy"]
+            for r in results["accuracy"]
+            if r["method"] == "full" and r["context"] == ctx and r["mode"] == mode
+        ]
+        if full:
+            ax.axhline(full[0], color="k", linewidth=0.8, label="full cache")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("compression ratio (context / kept)")
+        ax.set_title(f"retrieval accuracy, {mode}, context {ctx}")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("exact match")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------- main
+def load_model(name: str):
+    import jkv
+
+    if name != "random":
+        return jkv.load(name), name
+    import jax
+
+    from jkv.params import Params, fingerprint
+    from jkv.tokenizer import Tokenizer
+    from models.config import ModelConfig
+    from models.demo_tokenizer import build_tokenizer
+    from models.llama import init_params
+
+    tok = build_tokenizer()
+    cfg = ModelConfig(
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+    )
+    weights = init_params(cfg, jax.random.key(0))
+    params = Params(
+        weights=weights,
+        config=cfg,
+        name="random-tiny",
+        version=fingerprint(weights),
+        tokenizer=Tokenizer(tok, bos_token_id=1, eos_token_ids=(2,)),
+    )
+    return params, "random-tiny (untrained: the figures only prove the harness runs)"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="demo", help='"demo", a checkpoint, or "random"')
+    parser.add_argument("--contexts", type=int, nargs="*", default=None)
+    parser.add_argument("--facts", type=int, default=4)
+    parser.add_argument("--docs", type=int, default=100)
+    parser.add_argument("--ratios", type=float, nargs="*", default=RATIOS)
+    parser.add_argument("--policies", nargs="*", default=POLICIES)
+    parser.add_argument("--peer", choices=["kvpress"], default=None)
+    parser.add_argument("--tiny", action="store_true", help="a minute-long smoke run")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args(argv)
+    from tqdm import tqdm
+
+    params, label = load_model(args.model)
+    trained = params.config.max_position_embeddings
+    contexts = args.contexts or [trained // 2, trained]
+    if args.tiny:
+        contexts, args.docs, args.ratios = [min(contexts)], 4, args.ratios[-1:]
+        args.policies = args.policies[:2]
+    results = {
+        "model": label,
+        "contexts": contexts,
+        "ratios": args.ratios,
+        "docs": args.docs,
+        "facts": args.facts,
+        "accuracy": [],
+        "free_text": [],
+        "logit_keep": [],
+    }
+    hf_dir = peer = None
+    if args.peer == "kvpress":
+        import quality_kvpress as peer
+
+        import jkv
+
+        hf_dir = jkv.export_hf(params, Path(tempfile.mkdtemp()) / "hf")
+        model, tok = peer.load_hf(hf_dir)
+    settings = [(p, r) for p in args.policies for r in args.ratios]
+    steps = len(contexts) * (2 + 2 * len(settings)) * (2 if peer else 1)
+    bar = tqdm(total=steps, desc="quality", unit="run")
+    t0 = time.time()
+    for ctx in contexts:
+        examples = haystack_examples(1000 + ctx, args.docs, ctx, args.facts)
+        fillers = filler_texts(2000 + ctx, max(2, args.docs // 4), ctx, 64)
+        for mode in ("agnostic", "aware"):
+            row = jkv_accuracy(params, examples, None, 1.0, mode)
+            results["accuracy"].append(
+                {"peer": "jkv", "method": "full", "ratio": 1.0, "context": ctx, "mode": mode, **row}
+            )
+            bar.update()
+            if peer:
+                results["accuracy"].append(
+                    {
+                        **peer.accuracy(model, tok, examples, None, 1.0, mode=mode),
+                        "context": ctx,
+                        "method": "full-kvpress",
+                    }
+                )
+                bar.update()
+        reference, _ = jkv_free_text(params, fillers, None, 1.0, None)
+        base_ppl = jkv_perplexity(params, fillers, None, 1.0)
+        for policy, ratio in settings:
+            for mode in ("agnostic", "aware"):
+                row = jkv_accuracy(params, examples, policy, ratio, mode)
+                results["accuracy"].append(
+                    {
+                        "peer": "jkv",
+                        "method": policy,
+                        "ratio": ratio,
+                        "context": ctx,
+                        "mode": mode,
+                        **row,
+                    }
+                )
+                bar.update()
+                if peer and policy in KVPRESS_FOR:
+                    results["accuracy"].append(
+                        {
+                            **peer.accuracy(
+                                model, tok, examples, KVPRESS_FOR[policy], ratio, mode=mode
+                            ),
+                            "context": ctx,
+                        }
+                    )
+                    bar.update()
+            _, agree = jkv_free_text(params, fillers, policy, ratio, reference)
+            ppl = jkv_perplexity(params, fillers, policy, ratio)
+            results["free_text"].append(
+                {
+                    "peer": "jkv",
+                    "method": policy,
+                    "ratio": ratio,
+                    "context": ctx,
+                    **agree,
+                    "ppl": ppl,
+                    "ppl_ratio": ppl / base_ppl,
+                }
+            )
+        if peer:
+            for name in dict.fromkeys(KVPRESS_FOR.values()):
+                for ratio in args.ratios:
+                    agree = peer.free_text(
+                        model, tok, [p for p, _ in fillers], name, ratio, reference=reference
+                    )
+                    results["free_text"].append(
+                        {"peer": "kvpress", "method": name, "ratio": ratio, "context": ctx, **agree}
+                    )
+    results["logit_keep"] = logit_keep_table(
+        params,
+        filler_texts(3000, max(2, args.docs // 4), min(contexts), 0),
+        [1.0, 0.5, 0.2, 0.1, 0.05] if not args.tiny else [0.5],
+    )
+    bar.close()
+    results["seconds"] = time.time() - t0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "quality_tiny" if args.tiny else "quality"
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / f"{stem}.md").write_text(markdown(results))
+    plot(results, out / f"{stem}.png")
+    print(markdown(results))
+    print(f"wrote {out / (stem + '.json')}, {out / (stem + '.md')}, {out / (stem + '.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

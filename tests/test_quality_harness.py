@@ -1,0 +1,31 @@
+"""The compression-quality harness runs end to end on a tiny setting."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import quality  # noqa: E402
+
+
+def test_harness_tiny_end_to_end(tmp_path):
+    assert quality.main(["--model", "random", "--tiny", "--contexts", "64", "--out",
+                         str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "quality_tiny.json").read_text())
+    modes = {(r["method"], r["mode"]) for r in res["accuracy"]}
+    assert ("full", "agnostic") in modes and ("streaming", "aware") in modes
+    for row in res["accuracy"]:
+        assert 0.0 <= row["accuracy"] <= 1.0 and row["kv_bytes_per_row"] > 0
+    for row in res["free_text"]:
+        assert 0.0 <= row["rouge_l"] <= 1.0 and row["ppl_ratio"] > 0
+    assert (tmp_path / "quality_tiny.md").read_text().startswith("# Compression quality")
+    assert (tmp_path / "quality_tiny.png").stat().st_size > 0
+
+
+def test_scores():
+    assert quality.exact("4 0 9 1 7 </s>", "4 0 9 1 7")
+    assert not quality.exact("4 0 9 1", "4 0 9 1 7")
+    assert quality.rouge_l("a b c", "a b c") == 1.0 and quality.bleu("a b c d", "a b c d") > 0.99
