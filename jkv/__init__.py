@@ -20,6 +20,7 @@ from jkv.policies import (
     PyramidKV,
     Quantile,
     SnapKV,
+    SnapKVSegments,
     StreamingLLM,
 )
 from jkv.prefill import prefill
@@ -43,6 +44,7 @@ __all__ = [
     "Quantile",
     "ResponseCache",
     "SnapKV",
+    "SnapKVSegments",
     "StreamingLLM",
     "convert",
     "export_hf",

@@ -12,6 +12,12 @@ A KV policy (jkv.policies) hooks in at three points of each layer's call: where 
 is written (an evicting policy frees a slot when the cache is full), the key positions attention
 rotates by (StreamingLLM's positions within the cache), and what it records afterwards (H2O's
 attention mass, SnapKV's observation-window scores).
+
+A state rebuilt by the SnapKV segment policy adds a logit bias per slot (merged slots) and
+low-rank segments; both paths attend over ordinary slots and low-rank tokens in ONE softmax: the
+XLA path scores the low-rank tokens as (q @ basis_k^T) @ coef_k^T beside the slots, the Pallas
+path combines `decode_attention`'s and `lowrank_attention`'s results through their
+log-sum-exps. Neither reconstructs a low-rank segment.
 """
 
 from __future__ import annotations
@@ -22,7 +28,13 @@ import jax
 import jax.numpy as jnp
 
 from jkv import kv as kvlib
-from pallas_kernels import decode_attention, quantize_append, quantize_append_reference
+from pallas_kernels import (
+    combine_attention,
+    decode_attention,
+    lowrank_attention,
+    quantize_append,
+    quantize_append_reference,
+)
 
 BACKENDS = ("xla", "pallas", "pallas_interpret")
 _MASKED = -1e30  # finite: a fully masked row stays NaN-free
@@ -89,13 +101,69 @@ def cached_attention_reference(
     marked in `q_valid` `[B, T]`: `[B, K, S]` float32. `key_rotation` = (positions `[B, K, S]`,
     inv_freq) rotates the keys by those positions first (StreamingLLM's re-rotation).
     """
+    segmented = layer.bias is not None or layer.lowrank is not None
+    if segmented and (return_mass or key_rotation is not None):
+        raise ValueError(
+            f"{return_mass=} key_rotation={key_rotation is not None}: a segment-rebuilt cache "
+            "supports neither attention mass nor key re-rotation"
+        )
     k, v = _dequantised(layer, q.dtype)
     if key_rotation is not None:
         k = rotate(k, *key_rotation)
     mask = slot_mask(layer, q_positions, sliding_window)  # [B, K, T, S]
     if q_valid is not None:
         mask &= q_valid[:, None, :, None]
+    if segmented:
+        return segment_attention(q, k, v, mask, layer, q_positions, sliding_window, q_valid)
     return masked_attention(q, k, v, mask, return_mass=return_mass)
+
+
+def lowrank_mask(lr: kvlib.LowRank, q_positions, sliding_window, q_valid=None):
+    """`[B, K, T, M, L]` bool: low-rank token (m, l) is visible to query t of row b."""
+    live = jnp.arange(lr.coef_k.shape[3]) < lr.counts[..., None]  # [B, K, M, L]
+    delta = q_positions[:, None, :, None, None] - lr.positions[:, :, None]
+    mask = live[:, :, None] & (delta >= 0)
+    if sliding_window is not None:
+        mask &= delta < sliding_window
+    if q_valid is not None:
+        mask &= q_valid[:, None, :, None, None]
+    return mask
+
+
+def segment_attention(q, k, v, mask, layer, q_positions, sliding_window=None, q_valid=None):
+    """One softmax over the slots (k, v `[B, K, S, H]`, mask `[B, K, T, S]`, plus
+    `layer.bias`) and the low-rank tokens of `layer.lowrank`, whose keys and values stay
+    factored: scores (q @ basis_k^T) @ coef_k^T, output (p @ coef_v) @ basis_v. float32 maths;
+    returns `[B, T, N, H]` in q.dtype (zeros where a query sees nothing)."""
+    b, t, n, h = q.shape
+    kh = k.shape[1]
+    f32 = jnp.float32
+    qg = q.reshape(b, t, kh, n // kh, h).astype(f32)
+    z = jnp.einsum("btkgh,bksh->bkgts", qg, k.astype(f32), precision="highest") * (h**-0.5)
+    if layer.bias is not None:
+        z = z + layer.bias[:, :, None, None, :]
+    parts = [jnp.where(mask[:, :, None], z, _MASKED)]
+    lr = layer.lowrank
+    if lr is not None:
+        m, seg_len = lr.coef_k.shape[2:4]
+        qb = jnp.einsum("btkgh,bkmrh->bkgtmr", qg, lr.basis_k.astype(f32), precision="highest")
+        zl = jnp.einsum("bkgtmr,bkmlr->bkgtml", qb, lr.coef_k.astype(f32), precision="highest")
+        lmask = lowrank_mask(lr, q_positions, sliding_window, q_valid)  # [B, K, T, M, L]
+        zl = jnp.where(lmask[:, :, None], zl * (h**-0.5), _MASKED)
+        parts.append(zl.reshape(*zl.shape[:4], m * seg_len))
+    z = jnp.concatenate(parts, axis=-1)
+    top = jnp.max(z, axis=-1, keepdims=True)
+    p = jnp.exp(z - top)  # masked entries: exactly 0
+    denom = jnp.sum(p, axis=-1)  # [B, K, G, T]
+    s = k.shape[2]
+    out = jnp.einsum("bkgts,bksh->btkgh", p[..., :s], v.astype(f32), precision="highest")
+    if lr is not None:
+        pl_ = p[..., s:].reshape(*p.shape[:4], m, seg_len)
+        pc = jnp.einsum("bkgtml,bkmlr->bkgtmr", pl_, lr.coef_v.astype(f32), precision="highest")
+        out += jnp.einsum("bkgtmr,bkmrh->btkgh", pc, lr.basis_v.astype(f32), precision="highest")
+    scale = jnp.where(top[..., 0] > _MASKED / 2, 1.0 / denom, 0.0)  # [B, K, G, T]
+    out = out * jnp.transpose(scale, (0, 3, 1, 2))[..., None]
+    return out.reshape(b, t, n, h).astype(q.dtype)
 
 
 def masked_attention(q, k, v, mask, *, return_mass: bool = False):
@@ -152,6 +220,9 @@ def _kernel_decode(q, layer, q_positions, sliding_window, backend, return_mass, 
     rot_pos, inv_freq = key_rotation if key_rotation is not None else (None, None)
     if windowed and rot_pos is not None:
         raise ValueError("a sliding window and key re-rotation cannot be combined")
+    lr = layer.lowrank
+    if lr is not None and (return_mass or rot_pos is not None):
+        raise ValueError("low-rank segments support neither attention mass nor key re-rotation")
     res = decode_attention(
         q[:, 0],
         layer.k,
@@ -164,10 +235,29 @@ def _kernel_decode(q, layer, q_positions, sliding_window, backend, return_mass, 
         positions=rot_pos if rot_pos is not None else (layer.positions if windowed else None),
         q_positions=q_positions[:, 0] if windowed else None,
         rope_inv_freq=inv_freq,
+        slot_bias=layer.bias,
         sliding_window=sliding_window,
         return_mass=return_mass,
+        return_lse=lr is not None,
         interpret=backend == "pallas_interpret",
     )
+    if lr is not None:  # join the low-rank segments' softmax to the slots' one
+        out, lse = res
+        lr_out, lr_lse = lowrank_attention(
+            q[:, 0],
+            lr.coef_k,
+            lr.basis_k,
+            lr.coef_v,
+            lr.basis_v,
+            lr.counts,
+            lr.rank_k,
+            lr.rank_v,
+            positions=lr.positions if windowed else None,
+            q_positions=q_positions[:, 0] if windowed else None,
+            sliding_window=sliding_window,
+            interpret=backend == "pallas_interpret",
+        )
+        return combine_attention(out, lse, lr_out, lr_lse).astype(q.dtype)[:, None]
     if return_mass:
         return res[0][:, None], res[1]
     return res[:, None]

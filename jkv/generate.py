@@ -355,6 +355,9 @@ class Session:
             "kv_policy": None if self.policy is None else self.policy.describe(),
             "batch_size": len(self.prompt_lengths),
         }
+        if isinstance(self.policy, policies.SnapKVSegments):  # decoded tokens left out
+            appended = np.asarray(self.state.count) - 1
+            stats_common["kv_segments"] = policies.segment_report(self.state.kv, appended)
         out = []
         for i, plen in enumerate(self.prompt_lengths):
             ids = self.row_tokens(i)

@@ -9,6 +9,12 @@ Bytes (seed 2.1): K and V hold `2 * B * S * K * H * itemsize` per layer; fp8 sto
 bfloat16 scale per (row, kv head, slot) for each of K and V. `positions` (int32) and `lengths`
 are bookkeeping, counted separately, as are the float32 `scores` a policy keeps per slot
 (H2O's accumulated attention).
+
+The SnapKV segment rebuild (jkv.policies.segments) adds two optional parts, None otherwise:
+a float32 logit `bias` per slot (log of the tokens a merged slot stands for; 0 for ordinary
+slots), counted with K and V since attention reads it, and a `LowRank` store of the middle
+segments as factors (coefficients and bases, float32 for a float32 cache, bfloat16 otherwise),
+also counted with K and V; its token counts, ranks and positions are bookkeeping.
 """
 
 from __future__ import annotations
@@ -26,6 +32,40 @@ SCALE_DTYPE = jnp.bfloat16  # 2 bytes: keeps fp8 KV at ~0.51x bf16 with scales c
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class LowRank:
+    """Low-rank segments of one layer: segment m of (row, kv head) holds count[m] tokens with
+    keys ~ coef_k[m] @ basis_k[m] and values ~ coef_v[m] @ basis_v[m] (rank_k / rank_v leading
+    columns used; the rest is zero). M, L, R are static; counts and ranks are data."""
+
+    coef_k: jax.Array  # [B, K, M, L, R] float32 or bfloat16
+    basis_k: jax.Array  # [B, K, M, R, H]
+    coef_v: jax.Array  # [B, K, M, L, R]
+    basis_v: jax.Array  # [B, K, M, R, H]
+    counts: jax.Array  # [B, K, M] int32 tokens per segment (rows >= count are zero)
+    rank_k: jax.Array  # [B, K, M] int32
+    rank_v: jax.Array  # [B, K, M] int32
+    positions: jax.Array  # [B, K, M, L] int32 original position of each token, -1 past count
+
+    def factor_bytes(self) -> int:
+        return int(sum(x.nbytes for x in (self.coef_k, self.basis_k, self.coef_v, self.basis_v)))
+
+    def bookkeeping_bytes(self) -> int:
+        return int(sum(x.nbytes for x in (self.counts, self.rank_k, self.rank_v, self.positions)))
+
+    def used_bytes(self) -> int:
+        """Bytes of the factors at their achieved ranks and counts."""
+        h = self.basis_k.shape[-1]
+        item = self.coef_k.dtype.itemsize
+        n = np.asarray(self.counts, np.int64)
+        rk, rv = np.asarray(self.rank_k, np.int64), np.asarray(self.rank_v, np.int64)
+        return int(((n + h) * (rk + rv)).sum()) * item
+
+    def copy(self) -> LowRank:
+        return jax.tree.map(lambda x: jnp.array(x, copy=True), self)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class LayerKV:
     """One layer's cache."""
 
@@ -36,6 +76,8 @@ class LayerKV:
     k_scale: jax.Array | None = None  # [B, K, S] bfloat16, fp8 storage only
     v_scale: jax.Array | None = None  # [B, K, S] bfloat16, fp8 storage only
     scores: jax.Array | None = None  # [B, K, S] float32 policy importance (e.g. H2O's mass)
+    bias: jax.Array | None = None  # [B, K, S] float32 logit bias (merged slots: log count)
+    lowrank: LowRank | None = None  # the segment rebuild's low-rank middle segments
 
     @property
     def capacity(self) -> int:
@@ -153,6 +195,8 @@ def append(
         )
     if layer.scores is not None:  # a new token starts with no accumulated score
         changes["scores"] = layer.scores.at[bi, ki, slots].set(0.0, mode="drop")
+    if layer.bias is not None:  # a new token is one ordinary slot
+        changes["bias"] = layer.bias.at[bi, ki, slots].set(0.0, mode="drop")
     pos = jnp.broadcast_to(positions[:, None, :], slots.shape)
     return dataclasses.replace(
         layer,
@@ -167,8 +211,9 @@ def compact(layer: LayerKV, keep: jax.Array, capacity: int, *, compact_fn) -> La
     in a new cache of `capacity` slots: what is dropped is gone from memory.
 
     The selection travels as a bit-packed mask (seed 2.5) to `compact_fn`, which is
-    `pallas_kernels.kv_compact` or its reference; the policy scores follow the same gather.
-    A capacity above the current one compacts in place, then adds empty slots.
+    `pallas_kernels.kv_compact` or its reference; the policy scores and slot biases follow the
+    same gather, a low-rank store is kept as it is. A capacity above the current one compacts
+    in place, then adds empty slots.
     """
     from pallas_kernels import mask_to_indices, pack_mask
 
@@ -184,12 +229,14 @@ def compact(layer: LayerKV, keep: jax.Array, capacity: int, *, compact_fn) -> La
         v_scale=layer.v_scale,
         positions=layer.positions,
     )
-    scores = None
-    if layer.scores is not None:
-        src = mask_to_indices(keep, inner)  # [B, K, C], S where nothing is kept
-        live = jnp.arange(inner) < out.lengths[:, :, None]
-        gathered = jnp.take_along_axis(layer.scores, jnp.minimum(src, layer.capacity - 1), axis=2)
-        scores = jnp.where(live, gathered, 0.0)
+    src = mask_to_indices(keep, inner)  # [B, K, C], S where nothing is kept
+    live = jnp.arange(inner) < out.lengths[:, :, None]
+
+    def follow(x):
+        if x is None:
+            return None
+        return jnp.where(live, jnp.take_along_axis(x, jnp.minimum(src, layer.capacity - 1), 2), 0.0)
+
     compacted = LayerKV(
         k=out.k,
         v=out.v,
@@ -197,7 +244,9 @@ def compact(layer: LayerKV, keep: jax.Array, capacity: int, *, compact_fn) -> La
         positions=out.positions,
         k_scale=out.k_scale,
         v_scale=out.v_scale,
-        scores=scores,
+        scores=follow(layer.scores),
+        bias=follow(layer.bias),
+        lowrank=layer.lowrank,
     )
     return grow(compacted, capacity - inner)
 
@@ -221,34 +270,44 @@ def grow(layer: LayerKV, extra: int) -> LayerKV:
         k_scale=pad(layer.k_scale, 1),
         v_scale=pad(layer.v_scale, 1),
         scores=pad(layer.scores),
+        bias=pad(layer.bias),
+        lowrank=None if layer.lowrank is None else layer.lowrank.copy(),
     )
 
 
 def nbytes(state: KVState) -> int:
-    """Bytes of K, V and their fp8 scales: the seed 2.1 figure for the allocated state."""
+    """Bytes of K, V and their fp8 scales: the seed 2.1 figure for the allocated state (with
+    the segment rebuild's slot biases and low-rank factors, which attention reads as K and V)."""
     total = 0
     for layer in state.layers:
         total += layer.k.nbytes + layer.v.nbytes
         if layer.k_scale is not None:
             total += layer.k_scale.nbytes + layer.v_scale.nbytes
+        total += 0 if layer.bias is None else layer.bias.nbytes
+        total += 0 if layer.lowrank is None else layer.lowrank.factor_bytes()
     return int(total)
 
 
 def bookkeeping_bytes(state: KVState) -> int:
-    """Bytes of positions, lengths and policy scores (outside the seed formula; reported beside it)."""
+    """Bytes of positions, lengths, policy scores and low-rank counts, ranks and positions
+    (outside the seed formula; reported beside it)."""
     total = state.next_position.nbytes
     for layer in state.layers:
         total += layer.positions.nbytes + layer.lengths.nbytes
         total += 0 if layer.scores is None else layer.scores.nbytes
+        total += 0 if layer.lowrank is None else layer.lowrank.bookkeeping_bytes()
     return int(total)
 
 
 def used_bytes(state: KVState) -> int:
-    """Bytes of the valid slots only (what a perfectly packed cache would hold)."""
+    """Bytes of the valid slots only (what a perfectly packed cache would hold); low-rank
+    segments at their achieved ranks and token counts."""
     total = 0
     for layer in state.layers:
         per_slot = 2 * layer.k.shape[-1] * layer.k.dtype.itemsize
         if layer.k_scale is not None:
             per_slot += 2 * layer.k_scale.dtype.itemsize
+        per_slot += 0 if layer.bias is None else layer.bias.dtype.itemsize
         total += int(np.asarray(layer.lengths).sum()) * per_slot
+        total += 0 if layer.lowrank is None else layer.lowrank.used_bytes()
     return total

@@ -2,7 +2,9 @@
 
 Per layer, K and V hold `2 * batch * slots * n_kv_heads * head_dim * dtype_bytes` (GQA: kv heads,
 not query heads); fp8 storage adds a bfloat16 scale per (row, kv head, slot) for each of K and
-V. `slots` is what the policy allocates for a context of `seq_len` tokens plus decode headroom:
+V. The SnapKV segment rebuild adds a float32 logit bias per slot and its low-rank factors
+(`segments`, in the total) and their counts, ranks and positions (bookkeeping).
+`slots` is what the policy allocates for a context of `seq_len` tokens plus decode headroom:
 the same function `jkv.generate` sizes its cache with, so `result.kv_bytes` equals
 `memory(...)` for the same settings (with `seq_len` the longest prompt, or for the full cache
 the prompt's power-of-two bucket, which is what generate allocates).
@@ -29,6 +31,7 @@ class MemoryReport:
     scales: int  # fp8 scales
     slots: tuple[int, ...]  # allocated slots per layer
     bookkeeping: int  # positions and lengths (int32), not in `total`
+    segments: int = 0  # slot biases + low-rank factors (SnapKV segment rebuild), in `total`
 
     def __int__(self) -> int:
         return self.total
@@ -91,13 +94,24 @@ def memory(
     kv = [2 * per_slot * s * cfg.head_dim * itemsize for s in slots]
     scale_bytes = np.dtype(_np_dtype("bfloat16")).itemsize
     scales = [2 * per_slot * s * scale_bytes if dtype == "float8_e4m3fn" else 0 for s in slots]
-    per_layer = tuple(a + b for a, b in zip(kv, scales, strict=True))
+    extra = [(0, 0)] * len(slots)
+    if isinstance(policy, policies.SnapKVSegments):
+        from jkv.policies.segments import store_bytes
+
+        extra = [
+            store_bytes(
+                s, batch=batch, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, kv_dtype=dtype
+            )
+            for s in slots
+        ]
+    per_layer = tuple(a + b + e[0] for a, b, e in zip(kv, scales, extra, strict=True))
     bookkeeping = sum(per_slot * (s * 4 + 4) for s in slots) + batch * 4
     return MemoryReport(
         total=sum(per_layer),
         per_layer=per_layer,
         kv=sum(kv),
         scales=sum(scales),
-        slots=slots,
-        bookkeeping=bookkeeping,
+        slots=tuple(int(s) for s in slots),
+        bookkeeping=bookkeeping + sum(e[1] for e in extra),
+        segments=sum(e[0] for e in extra),
     )

@@ -54,6 +54,18 @@ KV_AXES = {
     "positions": ("batch", "kv_heads", "seq"),
     "k_scale": ("batch", "kv_heads", "seq"),
     "v_scale": ("batch", "kv_heads", "seq"),
+    "bias": ("batch", "kv_heads", "seq"),
+}
+# The SnapKV segment rebuild's low-rank store (`LayerKV.lowrank`): segments stay with their head.
+LOWRANK_AXES = {
+    "coef_k": ("batch", "kv_heads", None, None, None),
+    "basis_k": ("batch", "kv_heads", None, None, "head_dim"),
+    "coef_v": ("batch", "kv_heads", None, None, None),
+    "basis_v": ("batch", "kv_heads", None, None, "head_dim"),
+    "counts": ("batch", "kv_heads", None),
+    "rank_k": ("batch", "kv_heads", None),
+    "rank_v": ("batch", "kv_heads", None),
+    "positions": ("batch", "kv_heads", None, None),
 }
 
 
@@ -96,15 +108,21 @@ def shard_kv(state, mesh: Mesh):
     """Places a `KVState` by the rules table (batch over "data", kv heads over "model")."""
     from jkv.kv import KVState
 
-    def place_layer(layer):
+    def place(obj, table):
         changes = {}
-        for field, axes in KV_AXES.items():
-            value = getattr(layer, field)
+        for field, axes in table.items():
+            value = getattr(obj, field)
             if value is not None:
                 changes[field] = jax.device_put(
                     value, NamedSharding(mesh, spec(axes, value.shape, mesh))
                 )
-        return type(layer)(**{**layer.__dict__, **changes})
+        return type(obj)(**{**obj.__dict__, **changes})
+
+    def place_layer(layer):
+        layer = place(layer, KV_AXES)
+        if layer.lowrank is not None:
+            layer = layer.replace(lowrank=place(layer.lowrank, LOWRANK_AXES))
+        return layer
 
     next_position = jax.device_put(
         state.next_position,

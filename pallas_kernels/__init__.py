@@ -1,7 +1,8 @@
 """Pallas GPU kernels of jkv, one per file, each beside a float32 plain-jnp `*_reference`.
 
 Axis alphabet: B batch, T new tokens, S cached slots, N query heads, K kv heads,
-G = N // K query heads per kv head, H head dim, W observation-window queries, C capacity.
+G = N // K query heads per kv head, H head dim, W observation-window queries, C capacity;
+for low-rank segments M segments, L tokens per segment, R rank.
 The KV cache is K, V [B, K, S, H] with valid lengths [B, K] (slots 0..len-1 are valid).
 
 This package never imports `jkv` or `models`: every kernel is usable and testable alone.
@@ -23,21 +24,33 @@ from pallas_kernels.kv_quantize import (
     quantize_append_reference,
     quantize_reference,
 )
+from pallas_kernels.lowrank_attention import (
+    combine_attention,
+    lowrank_attention,
+    lowrank_attention_reference,
+)
+from pallas_kernels.segment_merge import Merged, segment_merge, segment_merge_reference
 from pallas_kernels.window_scores import window_scores, window_scores_reference
 
 __all__ = [
     "Compacted",
+    "Merged",
+    "combine_attention",
     "decode_attention",
     "decode_attention_reference",
     "dequantize_reference",
     "kv_compact",
     "kv_compact_reference",
+    "lowrank_attention",
+    "lowrank_attention_reference",
     "mask_to_indices",
     "pack_mask",
     "quantize",
     "quantize_append",
     "quantize_append_reference",
     "quantize_reference",
+    "segment_merge",
+    "segment_merge_reference",
     "unpack_mask",
     "window_scores",
     "window_scores_reference",

@@ -4,11 +4,16 @@ Maths, for row b, kv head k, query head n = k*G + g, valid slots s < len[b, k]:
 
     kk[s]   = K[b,k,s] * k_scale[b,k,s]                 (scale only for FP8 storage)
     kk[s]   = kk[s]*cos(pos[s]*f) + rotate_half(kk[s])*sin(pos[s]*f)   (RoPE on read, optional)
-    z[g, s] = sm_scale * q[b,n] . kk[s]    -inf where s >= len, and with q_positions also where
+    z[g, s] = sm_scale * q[b,n] . kk[s] + bias[b,k,s]     (slot_bias: optional, float32 logits)
+              -inf where s >= len, and with q_positions also where
               pos[s] > q_pos[b] (causal) or q_pos[b] - pos[s] >= window (sliding window)
     p[g, s] = exp(z[g,s] - max_s z[g]) / sum_s exp(...)
     out[b,n] = sum_s p[g,s] * V[b,k,s] * v_scale[b,k,s]
     mass[b,k,s] = sum_g p[g,s]                           (H2O's accumulated attention, optional)
+    lse[b,n] = log sum_s exp(z[g,s])                     (optional; -inf for an empty row)
+
+`slot_bias` carries the log(count) of merged slots (SnapKV segment rebuild); `lse` lets this
+softmax join another part's over the same query exactly (`lowrank_attention.combine_attention`).
 
 Flash-decoding: the grid (B, K, splits) gives each program the G query heads of one kv head
 (padded to 16 rows: Triton's dot needs M >= 16) and one contiguous S range; it keeps the running
@@ -20,7 +25,8 @@ and the combine turns them into probabilities with the final m, l: no second rea
 
 Bytes per call (memory bound; itemsize 4 / 2 / 1 for f32 / bf16 / fp8):
     read   2 * B*K*len*H*itemsize (K, V: valid slots only) + 8*B*K*len (FP8 scales)
-           + 4*B*K*len (positions, RoPE or window) + B*N*H*itemsize (q)
+           + 4*B*K*len (positions, RoPE or window) + 4*B*K*len (slot_bias)
+           + B*N*H*itemsize (q)
     write  4 * B*K*splits*G*(H + 2) (partials) + B*N*H*itemsize (out)
     mass   + 4*B*K*G*S written and read back (logits) + 4*B*K*S written (mass)
 """
@@ -53,6 +59,7 @@ def decode_attention_kernel(
     causal: bool,
     window: int | None,
     mass: bool,
+    bias: bool = False,
 ):
     refs = list(refs)
     q_ref = refs.pop(0)  # [Gp, H] the G query heads of one kv head; rows >= G are padding
@@ -61,6 +68,7 @@ def decode_attention_kernel(
     len_ref = refs.pop(0)  # [] valid length of this (row, kv head)
     ks_ref = refs.pop(0) if fp8 else None  # [S] key scales
     vs_ref = refs.pop(0) if fp8 else None  # [S] value scales
+    bias_ref = refs.pop(0) if bias else None  # [S] float32 logit bias per slot
     pos_ref = refs.pop(0) if (rope or causal) else None  # [S] original position per slot
     qpos_ref = refs.pop(0) if causal else None  # [] position of this row's query
     inv_ref = refs.pop(0) if rope else None  # [H/2] RoPE inverse frequencies
@@ -130,6 +138,8 @@ def decode_attention_kernel(
         if fp8:
             z = z * bk.load(ks_ref.at[rows], mask=valid, other=0).astype(jnp.float32)[None, :]
         z = z * sm_scale
+        if bias:
+            z = z + bk.load(bias_ref.at[rows], mask=valid, other=0).astype(jnp.float32)[None, :]
         keep = valid
         if causal:
             keep = keep & (pos <= qpos)
@@ -161,7 +171,9 @@ def decode_attention_kernel(
     bk.store(l_ref, lsum, mask=row_ok)
 
 
-def _validate(q, k, v, lengths, k_scale, v_scale, positions, q_positions, rope_inv_freq, window):
+def _validate(
+    q, k, v, lengths, k_scale, v_scale, positions, q_positions, rope_inv_freq, window, bias=None
+):
     if q.ndim != 3 or k.ndim != 4:
         raise ValueError(f"{q.shape=} {k.shape=}: expected q [B, N, H] and k [B, K, S, H]")
     b, n, h = q.shape
@@ -184,10 +196,16 @@ def _validate(q, k, v, lengths, k_scale, v_scale, positions, q_positions, rope_i
             f"{k.dtype=} k_scale={k_scale is not None} v_scale={v_scale is not None}: "
             "FP8 storage needs both scales, other storage neither"
         )
-    for name, x in (("k_scale", k_scale), ("v_scale", v_scale), ("positions", positions)):
+    vecs = (
+        ("k_scale", k_scale),
+        ("v_scale", v_scale),
+        ("positions", positions),
+        ("slot_bias", bias),
+    )
+    for name, x in vecs:
         if x is not None and x.shape != (b, kh, s):
             raise ValueError(f"{name}.shape={x.shape}: expected [{b}, {kh}, {s}]")
-    for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+    for name, x in (("k_scale", k_scale), ("v_scale", v_scale), ("slot_bias", bias)):
         if x is not None and x.dtype not in (jnp.float32, jnp.bfloat16):
             raise ValueError(f"{name}.dtype={x.dtype}: expected float32 or bfloat16")
     if rope_inv_freq is not None:
@@ -208,7 +226,7 @@ def _validate(q, k, v, lengths, k_scale, v_scale, positions, q_positions, rope_i
 
 
 def _combine(o, m, lsum, z, lengths):
-    """Merges the splits: o [B,K,NS,G,H], m, l [B,K,NS,G], z [B,K,G,S] -> out, mass."""
+    """Merges the splits: o [B,K,NS,G,H], m, l [B,K,NS,G], z [B,K,G,S] -> out, mass, lse."""
     m_max = m.max(axis=2)  # [B, K, G]
     m_use = jnp.where(m_max == -jnp.inf, 0.0, m_max)
     w = jnp.exp(m - m_use[:, :, None])  # [B, K, NS, G]; 0 for empty splits
@@ -216,12 +234,13 @@ def _combine(o, m, lsum, z, lengths):
     live = l_sum > 0  # false only for length-0 rows: they output 0, not NaN
     l_safe = jnp.where(live, l_sum, 1.0)
     out = jnp.where(live[..., None], (w[..., None] * o).sum(axis=2) / l_safe[..., None], 0.0)
+    lse = jnp.where(live, m_use + jnp.log(l_safe), -jnp.inf)  # [B, K, G]
     if z is None:
-        return out, None
+        return out, None, lse
     slot_ok = jnp.arange(z.shape[-1]) < lengths[:, :, None, None]  # [B, K, 1, S]
     # Slots past the length were never written by the kernel: select, never multiply.
     p = jnp.where(slot_ok, jnp.exp(z - m_use[..., None]) / l_safe[..., None], 0.0)
-    return out, p.sum(axis=2)
+    return out, p.sum(axis=2), lse
 
 
 @functools.partial(
@@ -230,6 +249,7 @@ def _combine(o, m, lsum, z, lengths):
         "sliding_window",
         "sm_scale",
         "return_mass",
+        "return_lse",
         "block_s",
         "num_splits",
         "num_warps",
@@ -249,9 +269,11 @@ def decode_attention(
     positions=None,
     q_positions=None,
     rope_inv_freq=None,
+    slot_bias=None,
     sliding_window: int | None = None,
     sm_scale: float | None = None,
     return_mass: bool = False,
+    return_lse: bool = False,
     block_s: int = 64,
     num_splits: int | None = None,
     num_warps: int = 4,
@@ -271,9 +293,12 @@ def decode_attention(
       q_positions: [B] int32 position of each row's query; when given, slots whose position
         is greater are masked (causal), as are those outside `sliding_window`.
       rope_inv_freq: [H/2] float32; when given, keys are stored pre-RoPE and rotated here.
+      slot_bias: [B, K, S] float32 logit bias added to each slot's scaled score (merged slots'
+        log(count)).
       sliding_window: static int; slots with q_position - position >= window are masked.
       sm_scale: softmax scale, default 1/sqrt(H).
       return_mass: also return the attention mass per slot summed over each group's G heads.
+      return_lse: also return the log-sum-exp of each query head's logits.
       block_s: slots per inner step (power of two >= 16).
       num_splits: S ranges processed in parallel; None picks enough to fill the GPU.
       num_warps, num_stages: Triton compiler parameters.
@@ -281,8 +306,9 @@ def decode_attention(
       interpret: run the kernel in the Pallas interpreter; None means "on CPU".
 
     Returns:
-      out [B, N, H] in q.dtype, or (out, mass [B, K, S] float32) when return_mass.
-      Rows of length 0 give out 0 and mass 0.
+      out [B, N, H] in q.dtype; with return_mass and/or return_lse a tuple (out, mass [B, K, S]
+      float32, lse [B, N] float32), the unrequested ones left out. Rows of length 0 give out 0,
+      mass 0 and lse -inf.
 
     Raises:
       ValueError: on shapes, dtypes, block sizes or a backend that do not fit.
@@ -290,8 +316,9 @@ def decode_attention(
     bk.check_backend(backend)
     interpret = bk.resolve_interpret(interpret)
     _validate(
-        q, k, v, lengths, k_scale, v_scale, positions, q_positions, rope_inv_freq, sliding_window
-    )
+        q, k, v, lengths, k_scale, v_scale, positions, q_positions, rope_inv_freq, sliding_window,
+        slot_bias,
+    )  # fmt: skip
     bk.check_block("block_s", block_s, bk.MIN_DOT)
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"{num_splits=}: expected an int >= 1 or None")
@@ -326,6 +353,9 @@ def decode_attention(
     if fp8:
         args += [k_scale, v_scale]  # float32 or bfloat16; widened in registers
         in_specs += [per_kv(s), per_kv(s)]
+    if slot_bias is not None:
+        args.append(slot_bias.astype(jnp.float32))
+        in_specs.append(per_kv(s))  # the whole row's biases, read with its slots
     if rope or causal:
         args.append(positions.astype(jnp.int32))
         in_specs.append(per_kv(s))
@@ -361,6 +391,7 @@ def decode_attention(
         causal=causal,
         window=sliding_window,
         mass=return_mass,
+        bias=slot_bias is not None,
     )
     outs = pl.pallas_call(
         kernel,
@@ -372,9 +403,13 @@ def decode_attention(
         interpret=interpret,
         name="jkv_decode_attention",
     )(*args)
-    out, mass = _combine(*outs[:3], outs[3] if return_mass else None, lengths)
-    out = out.reshape(b, n, h).astype(q.dtype)
-    return (out, mass) if return_mass else out
+    out, mass, lse = _combine(*outs[:3], outs[3] if return_mass else None, lengths)
+    return _outputs(out.reshape(b, n, h).astype(q.dtype), mass, lse.reshape(b, n), return_lse)
+
+
+def _outputs(out, mass, lse, return_lse):
+    extra = ([] if mass is None else [mass]) + ([lse] if return_lse else [])
+    return (out, *extra) if extra else out
 
 
 def apply_rope_reference(x, positions, inv_freq):
@@ -385,7 +420,9 @@ def apply_rope_reference(x, positions, inv_freq):
     return x * jnp.cos(ang) + jnp.concatenate([-x2, x1], axis=-1) * jnp.sin(ang)
 
 
-@functools.partial(jax.jit, static_argnames=("sliding_window", "sm_scale", "return_mass"))
+@functools.partial(
+    jax.jit, static_argnames=("sliding_window", "sm_scale", "return_mass", "return_lse")
+)
 def decode_attention_reference(
     q,
     k,
@@ -397,14 +434,17 @@ def decode_attention_reference(
     positions=None,
     q_positions=None,
     rope_inv_freq=None,
+    slot_bias=None,
     sliding_window: int | None = None,
     sm_scale: float | None = None,
     return_mass: bool = False,
+    return_lse: bool = False,
 ):
     """Plain-jnp float32 `decode_attention` (materialises the [B, K, G, S] scores)."""
     _validate(
-        q, k, v, lengths, k_scale, v_scale, positions, q_positions, rope_inv_freq, sliding_window
-    )
+        q, k, v, lengths, k_scale, v_scale, positions, q_positions, rope_inv_freq, sliding_window,
+        slot_bias,
+    )  # fmt: skip
     b, n, h = q.shape
     _, kh, s, _ = k.shape
     g = n // kh
@@ -428,11 +468,15 @@ def decode_attention_reference(
             keep = keep & (delta < sliding_window)
     qf = q.astype(jnp.float32).reshape(b, kh, g, h)
     z = jnp.einsum("bkgh,bksh->bkgs", qf, kf, precision="highest") * sm_scale
+    if slot_bias is not None:
+        z = z + jnp.where(valid, slot_bias.astype(jnp.float32), 0.0)[:, :, None, :]
     z = jnp.where(keep[:, :, None, :], z, -jnp.inf)
     m = z.max(axis=-1, keepdims=True)
-    e = jnp.exp(z - jnp.where(m == -jnp.inf, 0.0, m))
+    m_use = jnp.where(m == -jnp.inf, 0.0, m)
+    e = jnp.exp(z - m_use)
     lsum = e.sum(axis=-1, keepdims=True)
     p = e / jnp.where(lsum > 0, lsum, 1.0)  # [B, K, G, S]
     out = jnp.einsum("bkgs,bksh->bkgh", p, vf, precision="highest").reshape(b, n, h)
-    out = out.astype(q.dtype)
-    return (out, p.sum(axis=2)) if return_mass else out
+    lse = jnp.where(lsum > 0, m_use + jnp.log(jnp.where(lsum > 0, lsum, 1.0)), -jnp.inf)
+    mass = p.sum(axis=2) if return_mass else None
+    return _outputs(out.astype(q.dtype), mass, lse.reshape(b, n), return_lse)

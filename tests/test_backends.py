@@ -81,13 +81,10 @@ def test_generation_steps_lower_for_cuda(tiny_params, kind, kv_dtype):
     the kernels in exactly the configurations generation calls them."""
     import importlib
 
-    import jax
     import jax.numpy as jnp
 
     from jkv import kv as kvlib
-    from jkv.sampling import Sampling
 
-    gen = importlib.import_module("jkv.generate")
     pre = importlib.import_module("jkv.prefill")
     params = tiny_params(kind)
     cfg = params.config
@@ -104,8 +101,60 @@ def test_generation_steps_lower_for_cuda(tiny_params, kind, kv_dtype):
     prefill = pre.prefill_step.trace(params.weights, cfg, tokens, n_new, state, backend="pallas")
     text = prefill.lower(lowering_platforms=("cuda",)).as_text()
     assert ("triton" in text) == (kv_dtype == "float8_e4m3fn")  # fp8 appends via the kernel
+    text = _decode_for_cuda(params, cfg, state)
+    assert text.count("jkv_decode_attention") >= cfg.num_layers
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn"])
+def test_segment_rebuild_steps_lower_for_cuda(tiny_params, kv_dtype):
+    """The SnapKV segment rebuild (segment_merge kernel + SVD) and a decode loop over its state
+    (decode_attention with slot biases and lse, joined to lowrank_attention) lower for CUDA."""
+
+    import jax
+    import jax.numpy as jnp
+
+    from jkv import kv as kvlib
+    from jkv.policies import SnapKVSegments
+    from jkv.policies.compress import compress
+
+    params = tiny_params("llama")
+    cfg = params.config
+    policy = SnapKVSegments(budget=16, window=4, segment_len=16)
+    state = kvlib.init_state(
+        num_layers=cfg.num_layers,
+        batch=2,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        capacity=32,
+        dtype=kv_dtype,
+        scores=True,
+    )
+    caps = policy.capacities(cfg.num_layers, 30, 8)
+    tokens, n_new = jnp.zeros((2, 32), jnp.int32), jnp.array([30, 20], jnp.int32)
+    kw = dict(policy=policy, capacities=caps, backend="pallas")
+    rebuild = compress.trace(params.weights, cfg, state, tokens, n_new, **kw)
+    text = rebuild.lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("jkv_segment_merge") == cfg.num_layers
+    shapes = jax.eval_shape(lambda s: compress(params.weights, cfg, s, tokens, n_new, **kw), state)
+    kv = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+    assert kv.policy == policy and kv.layers[0].lowrank is not None
+    text = _decode_for_cuda(params, cfg, kv)
+    assert text.count("jkv_decode_attention") >= cfg.num_layers
+    assert text.count("jkv_lowrank_attention") >= cfg.num_layers
+
+
+def _decode_for_cuda(params, cfg, kv):
+    """The decode loop over KV state `kv` (batch 2), lowered for CUDA with the Pallas backend."""
+    import importlib
+
+    import jax
+    import jax.numpy as jnp
+
+    from jkv.sampling import Sampling
+
+    gen = importlib.import_module("jkv.generate")  # the module (jkv.generate is the function)
     loop_state = gen.DecodeState(
-        kv=state,
+        kv=kv,
         tokens=jnp.zeros((2, 8), jnp.int32),
         count=jnp.ones((2,), jnp.int32),
         done=jnp.zeros((2,), bool),
@@ -122,5 +171,4 @@ def test_generation_steps_lower_for_cuda(tiny_params, kind, kv_dtype):
         eos_ids=(),
         backend="pallas",
     )
-    text = decode.lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("jkv_decode_attention") >= cfg.num_layers
+    return decode.lower(lowering_platforms=("cuda",)).as_text()

@@ -14,6 +14,7 @@ from jkv.policies.h2o import H2O
 from jkv.policies.importance import token_importance
 from jkv.policies.pyramidkv import PyramidKV
 from jkv.policies.quantile import Quantile
+from jkv.policies.segments import SnapKVSegments, segment_report
 from jkv.policies.snapkv import SnapKV
 from jkv.policies.streaming import StreamingLLM
 
@@ -21,6 +22,7 @@ POLICIES: dict[str, type[KVPolicy] | None] = {
     "full": None,
     "streaming": StreamingLLM,
     "snapkv": SnapKV,
+    "snapkv_segments": SnapKVSegments,
     "h2o": H2O,
     "pyramidkv": PyramidKV,
     "adakv": AdaKV,
@@ -71,7 +73,9 @@ __all__ = [
     "PyramidKV",
     "Quantile",
     "SnapKV",
+    "SnapKVSegments",
     "StreamingLLM",
     "resolve",
+    "segment_report",
     "token_importance",
 ]

@@ -111,6 +111,11 @@ class KVPolicy:
         """`[B, K, S]` bool: the slots to keep after prefill."""
         return valid_slots(layer)
 
+    def rebuild(self, layer_index, layer, ctx, capacity, backend) -> kvlib.LayerKV | None:
+        """A policy that restructures the cache instead of selecting slots (the SnapKV segment
+        rebuild) returns the new layer of `capacity` slots; None: `keep`, then compact."""
+        return None
+
     def write_slots(self, layer: kvlib.LayerKV, q_pos: jax.Array) -> jax.Array | None:
         """`[B, K]` slot for each row's new decode token, or None to append after the valid
         slots (a non-evicting policy with headroom)."""

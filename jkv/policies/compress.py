@@ -64,7 +64,9 @@ def compress(
     fn = compact_fn(backend)
     layers = []
     for i, layer in enumerate(state.layers):
-        new = kvlib.compact(layer, policy.keep(i, layer, ctx), capacities[i], compact_fn=fn)
+        new = policy.rebuild(i, layer, ctx, capacities[i], backend)
+        if new is None:
+            new = kvlib.compact(layer, policy.keep(i, layer, ctx), capacities[i], compact_fn=fn)
         layers.append(new if policy.wants_mass else new.replace(scores=None))
     return state.replace(layers=tuple(layers), policy=policy)
 

@@ -152,6 +152,35 @@ def test_everything_at_once_fp8(rng, rel_err, ragged_lengths, poison_past, recor
     assert err <= FP8_BOUND
 
 
+BIAS_CASES = [(3, 100, 4, 64, "f32"), (1, 257, 8, 128, "bf16"), (3, 100, 1, 64, "fp8")]
+
+
+@pytest.mark.parametrize("b,s,g,h,dtype", BIAS_CASES, ids=[case_id(*c) for c in BIAS_CASES])
+def test_slot_bias_and_lse(b, s, g, h, dtype, rng, rel_err, ragged_lengths, poison_past):
+    """Merged slots' log-count biases join the logits; lse is the log-sum-exp of each head's."""
+    x = make_inputs(rng, b, s, g, h, dtype, ragged_lengths, poison_past)
+    args = (x["q"], x["k"], x["v"], x["lengths"])
+    bias = poison_past(np.log(rng.integers(1, 4, x["lengths"].shape + (s,))), x["lengths"])
+    kw = dict(**x["scales"], slot_bias=bias.astype(np.float32))
+    out, mass, lse = decode_attention(
+        *args, **kw, return_mass=True, return_lse=True, block_s=16, num_splits=3, interpret=True
+    )
+    ref, ref_mass, ref_lse = decode_attention_reference(
+        *args, **kw, return_mass=True, return_lse=True
+    )
+    tol = TOL[dtype] if x["q"].dtype == jnp.float32 else 1e-2
+    assert not np.isnan(np.asarray(lse)).any() and lse.shape == x["q"].shape[:2]
+    assert rel_err(out, ref) <= tol and rel_err(mass, ref_mass) <= tol
+    live = np.repeat(np.asarray(x["lengths"]) > 0, g, axis=1)
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), live)
+    np.testing.assert_allclose(np.asarray(lse)[live], np.asarray(ref_lse)[live], atol=tol)
+    # the bias matters, and lse alone (no mass) gives the same numbers
+    assert rel_err(decode_attention_reference(*args, **x["scales"]), ref) > 2 * tol
+    out2, lse2 = decode_attention(*args, **kw, return_lse=True, block_s=16, interpret=True)
+    assert rel_err(out2, ref) <= tol
+    np.testing.assert_allclose(np.asarray(lse2)[live], np.asarray(ref_lse)[live], atol=tol)
+
+
 def _small():
     q = np.zeros((2, 8, 64), np.float32)
     k = np.zeros((2, 2, 40, 64), np.float32)
@@ -171,6 +200,7 @@ def _small():
         (dict(block_s=48), "block_s"),
         (dict(sliding_window=8), "q_positions"),
         (dict(rope_inv_freq=np.ones((32,))), "positions"),
+        (dict(slot_bias=np.zeros((2, 2, 39), np.float32)), "slot_bias.shape"),
     ],
     ids=lambda x: x if isinstance(x, str) else None,
 )
@@ -205,6 +235,8 @@ LOWERINGS = {
     "bf16_rope": dict(rope=True),
     "fp8_rope": dict(rope=True),
     "fp8_rope_window_mass": dict(rope=True, window=True, return_mass=True),
+    "bf16_bias_lse": dict(bias=True, return_lse=True),
+    "fp8_bias_lse_mass_window": dict(bias=True, window=True, return_lse=True, return_mass=True),
 }
 
 
@@ -216,6 +248,8 @@ def test_lowers_to_triton(config, lower_for_cuda):
     kw = dict(scales)
     if opts.pop("rope", False):
         kw.update(positions=pos, rope_inv_freq=rope_freqs(128))
+    if opts.pop("bias", False):
+        kw.update(slot_bias=jax.ShapeDtypeStruct(pos.shape, jnp.float32))
     if opts.pop("window", False):
         kw.update(positions=pos, q_positions=jax.ShapeDtypeStruct((2,), jnp.int32))
         opts["sliding_window"] = 4096

@@ -12,7 +12,16 @@ import jkv
 from jkv import kv as kvlib
 
 gen = importlib.import_module("jkv.generate")
-NAMES = ["streaming", "snapkv", "h2o", "pyramidkv", "adakv", "efficache", "quantile"]
+NAMES = [
+    "streaming",
+    "snapkv",
+    "snapkv_segments",
+    "h2o",
+    "pyramidkv",
+    "adakv",
+    "efficache",
+    "quantile",
+]
 BUDGET = {"quantile": 0.5}
 
 
