@@ -44,18 +44,10 @@ KVPRESS_FOR = {  # the kvpress press of the same method, for the side-by-side ro
 
 # ---------------------------------------------------------------------------- data
 def haystack_examples(seed: int, n: int, context: int, facts: int):
-    """(context, question, answer) triples; the prompt is split at its last "Question"."""
-    import numpy as np
+    """`n` (context, question, answer) triples: each prompt split at its last "Question :"."""
+    from models.haystack import split_examples
 
-    from models.haystack import make_example
-
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        ex = make_example(rng, context, facts)
-        head, _, tail = ex.prompt.rpartition("Question :")
-        out.append((head.strip(), "Question :" + tail, ex.answer))
-    return out
+    return split_examples(seed, n, context, facts)
 
 
 def filler_texts(seed: int, n: int, context: int, continuation: int):

@@ -296,6 +296,25 @@ def make_example(rng: np.random.Generator, num_tokens: int, num_facts: int) -> E
     return Example(prompt=" ".join(out), answer=answer, meta=meta)
 
 
+def split_examples(
+    seed: int, n: int, num_tokens: int, num_facts: int
+) -> list[tuple[str, str, str]]:
+    """`n` held-out haystacks as (context, question, answer): each prompt cut at its last
+    `Question :`, so the context can be compressed before the question is seen.
+
+    Args:
+      seed: seeds `numpy.random.default_rng`.
+      n, num_tokens, num_facts: count, prompt length and facts of each `make_example`.
+    """
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        ex = make_example(rng, num_tokens, num_facts)
+        head, _, tail = ex.prompt.rpartition("Question :")
+        out.append((head.strip(), "Question :" + tail, ex.answer))
+    return out
+
+
 # ------------------------------------------------------------------------------------- batch
 class Batch(NamedTuple):
     tokens: np.ndarray  # [B, T + 1] int32: <s> document (</s>); inputs [:, :-1], targets [:, 1:]
