@@ -87,12 +87,78 @@ def check_decode(rng, interpret, dims, dtype, variant):
     if "window" in variant:
         kw.update(positions=pos, q_positions=pos.max(axis=(1, 2)), sliding_window=s // 2)
     mass = "mass" in variant
-    got = pk.decode_attention(q, k, v, lengths, **kw, return_mass=mass, interpret=interpret)
-    want = pk.decode_attention_reference(q, k, v, lengths, **kw, return_mass=mass)
-    got, want = (got, want) if mass else ((got,), (want,))
-    errs = [rel_err(a, b_) for a, b_ in zip(got, want, strict=True)]
-    finite = all(np.isfinite(f32(a)).all() for a in got)
-    return dict(err=max(errs), finite=bool(finite))
+    lse = "lse" in variant
+    if "bias" in variant:  # the segment rebuild's log-count logit bias per slot
+        kw.update(slot_bias=np.log(rng.integers(1, 4, (b, kh, s))).astype(np.float32))
+    got = pk.decode_attention(
+        q, k, v, lengths, **kw, return_mass=mass, return_lse=lse, interpret=interpret
+    )
+    want = pk.decode_attention_reference(q, k, v, lengths, **kw, return_mass=mass, return_lse=lse)
+    got, want = (got, want) if mass or lse else ((got,), (want,))
+    return compare_parts(got, want)
+
+
+def compare_parts(got, want):
+    """Worst relative error over matching outputs; -inf (an empty row's log-sum-exp) must match
+    exactly and is left out of the error; NaN anywhere fails `finite`."""
+    errs, finite = [], True
+    for a, w in zip(got, want, strict=True):
+        a, w = f32(a), f32(w)
+        finite &= bool(not np.isnan(a).any() and np.array_equal(np.isinf(a), np.isinf(w)))
+        live = np.isfinite(w) & np.isfinite(a)
+        errs.append(rel_err(a[live], w[live]))
+    return dict(err=max(errs), finite=finite)
+
+
+def check_lowrank(rng, interpret, dims):
+    """lowrank_attention over ragged low-rank segments (counts and ranks 0..max, NaN past them)."""
+    b, kh, _, h, g = dims
+    m, seg_len, r = (3, 16, 8) if interpret else (16, 64, 32)
+    fac = lambda *shape: (rng.standard_normal(shape) / math.sqrt(shape[-1])).astype(np.float32)
+    ck, cv = fac(b, kh, m, seg_len, r), fac(b, kh, m, seg_len, r)
+    bk, bv = fac(b, kh, m, r, h), fac(b, kh, m, r, h)
+    counts = rng.integers(0, seg_len + 1, (b, kh, m)).astype(np.int32)
+    counts.flat[:2] = [0, seg_len]
+    rank_k, rank_v = (rng.integers(0, r + 1, (b, kh, m)).astype(np.int32) for _ in range(2))
+    rank_k.flat[:2] = [r, 0]
+    for coef, base, rank in ((ck, bk, rank_k), (cv, bv, rank_v)):
+        coef[np.arange(seg_len) >= counts[..., None]] = np.nan
+        coef[np.broadcast_to(np.arange(r) >= rank[..., None, None], coef.shape)] = np.nan
+        base[np.broadcast_to(np.arange(r)[:, None] >= rank[..., None, None], base.shape)] = np.nan
+    bf = lambda x: x.astype(jnp.bfloat16)
+    q = bf(rng.standard_normal((b, kh * g, h)).astype(np.float32))
+    args = (q, bf(ck), bf(bk), bf(cv), bf(bv), counts, rank_k, rank_v)
+    got = pk.lowrank_attention(*args, interpret=interpret)
+    want = pk.lowrank_attention_reference(*args)
+    return compare_parts(got, want)
+
+
+def check_merge(rng, interpret, dims):
+    """segment_merge on an fp8 cache: runs of 1-3 adjacent valid slots -> one slot each (mean K,
+    V, log-count bias); must equal the reference bit for bit."""
+    b, kh, s, h, _ = dims
+    c = s // 2
+    lengths = rng.integers(0, s + 1, (b, kh)).astype(np.int32)
+    lengths.reshape(-1)[:3] = [0, 1, s][: b * kh]
+    k, v = (rng.standard_normal((b, kh, s, h)).astype(np.float32) for _ in range(2))
+    (k, ks), (v, vs) = (pk.quantize_reference(x, scale_dtype=jnp.bfloat16) for x in (k, v))
+    starts = np.zeros((b, kh, c), np.int32)
+    counts = np.zeros((b, kh, c), np.int32)
+    for i, j in np.ndindex(b, kh):
+        src = 0
+        for slot in range(c):
+            n = min(int(rng.integers(1, 4)), int(lengths[i, j]) - src)
+            if n <= 0:
+                break
+            starts[i, j, slot], counts[i, j, slot] = src, n
+            src += n
+    kw = dict(k_scale=ks, v_scale=vs)
+    got = pk.segment_merge(k, v, starts, counts, **kw, interpret=interpret)
+    want = pk.segment_merge_reference(k, v, starts, counts, **kw)
+    pairs = [(a, w) for a, w in zip(got, want, strict=True) if w is not None]
+    same = all(np.array_equal(f32(a), f32(w), equal_nan=True) for a, w in pairs)
+    finite = all(not np.isnan(f32(a)).any() for a, _ in pairs)
+    return dict(err=0.0 if same else 1.0, finite=finite)
 
 
 def check_quantize(rng, interpret, dims):
@@ -171,6 +237,13 @@ def run_checks(interpret: bool, seed: int) -> list[dict]:
             lambda: check_decode(rng, interpret, dims, "fp8", "rope_window_mass"),
             bf16_tol,
         ),
+        (
+            "decode_fp8_bias_lse",
+            lambda: check_decode(rng, interpret, dims, "fp8", "bias_lse"),
+            bf16_tol,
+        ),
+        ("lowrank_attention_bf16", lambda: check_lowrank(rng, interpret, dims), bf16_tol),
+        ("segment_merge_fp8", lambda: check_merge(rng, interpret, dims), 0),
         ("quantize", lambda: check_quantize(rng, interpret, dims), 1e-3),
         ("quantize_append", lambda: check_append(rng, interpret, dims), 1e-3),
         ("compact_by_mask_fp8_in_place", lambda: check_compact(rng, interpret, dims, "mask"), 0),
