@@ -12,7 +12,7 @@ unpruned output) and StreamingLLM's perplexity far past the trained context.
 With `--peer kvpress`, kvpress's presses run on the HF export of the same model, same prompts.
 
     python benchmarks/quality.py [--model demo] [--docs 100] [--peer kvpress] [--tiny]
-Writes quality.json, quality.md, quality.png (and streaming_ppl.png) under --out.
+Writes quality.json, quality.md, quality.png and quality_streaming_ppl.png under --out.
 """
 
 from __future__ import annotations
@@ -186,6 +186,54 @@ def logit_keep_table(params, fillers, keep_ratios, *, new_tokens=32, seed=7):
 
 
 # ---------------------------------------------------------------------------- report
+def beyond_context(params, trained: int, times: int, *, window: int = 64, seed: int = 4000):
+    """Perplexity over `times` x the trained context of plain filler, decoded token by token:
+    StreamingLLM at a budget of the trained context vs the full cache. Per-window perplexities
+    (every `window` tokens) and in-context vs past-context summaries."""
+    import numpy as np
+
+    from jkv.policies import StreamingLLM
+    from jkv.prefill import stream_score
+    from models.haystack import make_filler
+
+    text = make_filler(np.random.default_rng(seed), trained * times - 1)  # + <s>
+    out = {"trained_context": trained, "tokens": trained * times, "window": window, "runs": {}}
+    for name, policy in (("full", None), ("streaming", StreamingLLM(budget=trained, sink=4))):
+        logp = stream_score(params, text, policy=policy)
+        ppl = lambda lp: float(np.exp(-np.mean(lp)))  # noqa: E731
+        out["runs"][name] = {
+            "positions": [i + window for i in range(0, len(logp), window)],
+            "window_ppl": [ppl(logp[i : i + window]) for i in range(0, len(logp), window)],
+            "in_context_ppl": ppl(logp[: trained - 1]),
+            "past_context_ppl": ppl(logp[trained - 1 :]),
+        }
+    base = out["runs"]["full"]["in_context_ppl"]
+    for run in out["runs"].values():
+        run["past_vs_in_context"] = run["past_context_ppl"] / base
+    return out
+
+
+def plot_beyond(beyond, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, run in beyond["runs"].items():
+        ax.plot(run["positions"], run["window_ppl"], label=name)
+    ax.axvline(beyond["trained_context"], color="k", linewidth=0.8, linestyle=":")
+    ax.set_yscale("log")
+    ax.set_xlabel(f"position (perplexity per {beyond['window']} tokens)")
+    ax.set_ylabel("perplexity")
+    ax.set_title(f"past the trained context ({beyond['trained_context']} tokens)")
+    ax.legend()
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def markdown(results) -> str:
     lines = ["# Compression quality", "", f"model: {results['model']}", ""]
     for mode in ("agnostic", "aware"):
@@ -255,6 +303,21 @@ def markdown(results) -> str:
     ]
     for r in results["logit_keep"]:
         lines.append(f"| {r['logit_keep_ratio']} | {r['rouge_l']:.3f} | {r['bleu']:.3f} |")
+    beyond = results.get("beyond_context")
+    if beyond:
+        lines += [
+            "",
+            f"## Perplexity over {beyond['tokens']} tokens "
+            f"({beyond['tokens'] // beyond['trained_context']}x the trained context)",
+            "",
+            "| cache | in-context ppl | past-context ppl | past / full in-context |",
+            "|---|---|---|---|",
+        ]
+        for name, run in beyond["runs"].items():
+            lines.append(
+                f"| {name} | {run['in_context_ppl']:.3f} | {run['past_context_ppl']:.3f} | "
+                f"{run['past_vs_in_context']:.3f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -355,6 +418,7 @@ def main(argv=None) -> int:
     parser.add_argument("--ratios", type=float, nargs="*", default=RATIOS)
     parser.add_argument("--policies", nargs="*", default=POLICIES)
     parser.add_argument("--peer", choices=["kvpress"], default=None)
+    parser.add_argument("--beyond", type=int, default=8, help="x trained context for ppl")
     parser.add_argument("--tiny", action="store_true", help="a minute-long smoke run")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args(argv)
@@ -459,6 +523,9 @@ def main(argv=None) -> int:
         filler_texts(3000, max(2, args.docs // 4), min(contexts), 0),
         [1.0, 0.5, 0.2, 0.1, 0.05] if not args.tiny else [0.5],
     )
+    results["beyond_context"] = beyond_context(
+        params, min(contexts) if args.tiny else trained, 2 if args.tiny else args.beyond
+    )
     bar.close()
     results["seconds"] = time.time() - t0
     out = Path(args.out)
@@ -467,6 +534,7 @@ def main(argv=None) -> int:
     (out / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / f"{stem}.md").write_text(markdown(results))
     plot(results, out / f"{stem}.png")
+    plot_beyond(results["beyond_context"], out / f"{stem}_streaming_ppl.png")
     print(markdown(results))
     print(f"wrote {out / (stem + '.json')}, {out / (stem + '.md')}, {out / (stem + '.png')}")
     return 0

@@ -272,3 +272,75 @@ def score(params: Params, text, *, kv_state: kvlib.KVState | None = None, backen
     )
     logp = np.asarray(jax.nn.log_softmax(logits[0, : len(ids) - 1], axis=-1))
     return logp[np.arange(len(ids) - 1), np.asarray(ids[1:])].astype(np.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "backend"))
+def _teacher_forced(weights, config: ModelConfig, ids, kv, *, backend: str):
+    """log p(ids[i + 1] | ids[:i + 1]) fed one token at a time through the decode path
+    (`kv.policy` applied at every step, as in generation): float32 `[n - 1]`."""
+    attend = attn.make_attention(
+        jnp.ones((1,), jnp.int32),
+        sliding_window=config.sliding_window,
+        backend=backend,
+        policy=kv.policy,
+        inv_freq=jnp.asarray(config.inv_freq()),
+    )
+
+    def step(kv, tok):
+        logits, layers = forward(
+            weights,
+            config,
+            tok[None, None],
+            kv.next_position[:, None],
+            kv.layers,
+            attend,
+            logits_at=jnp.zeros((1,), jnp.int32),
+        )
+        kv = kv.replace(layers=layers, next_position=kv.next_position + 1)
+        return kv, jax.nn.log_softmax(logits[0].astype(jnp.float32))
+
+    _, logp = jax.lax.scan(step, kv, ids[:-1])
+    return logp[jnp.arange(ids.shape[0] - 1), ids[1:]]
+
+
+def stream_score(params: Params, text, *, policy=None, backend=None):
+    """Per-token log-probabilities of `text` (one row) decoded token by token, the way
+    StreamingLLM measures perplexity: with `policy` (an evicting policy of integer budget, e.g.
+    `StreamingLLM(budget=256)`) the cache never holds more than its budget however long the text;
+    with None, a full cache of the whole text (the contrast past the trained context).
+
+    Returns:
+      float32 numpy `[n - 1]`: log p(token_i | text[:i]) for i = 1..n-1.
+    """
+    if not isinstance(params, Params):
+        raise ValueError(f"params is a {type(params).__name__}; expected jkv.Params")
+    backend = attn.validate_backend(backend)
+    policy = policies.resolve(policy)
+    rows, is_batch = encode_prompts(params, text)
+    if is_batch:
+        raise ValueError(f"stream_score takes one text; got a batch of {len(rows)}")
+    ids = rows[0]
+    if len(ids) < 2:
+        raise ValueError(f"text has {len(ids)} token(s); scoring needs at least 2")
+    if policy is None:
+        capacity = len(ids)
+    elif policy.evicts and isinstance(policy.budget, int):
+        capacity = policy.budget
+    else:
+        raise ValueError(
+            f"policy={policy.describe()} must evict at a fixed integer budget (e.g. "
+            "StreamingLLM(budget=256)); a fractional budget needs the whole text up front"
+        )
+    cfg = params.config
+    kv = kvlib.init_state(
+        num_layers=cfg.num_layers,
+        batch=1,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        capacity=capacity,
+        dtype=cfg.dtype,
+        scores=policy is not None and policy.observes,
+        policy=policy,
+    )
+    out = _teacher_forced(params.weights, cfg, jnp.asarray(ids, jnp.int32), kv, backend=backend)
+    return np.asarray(out, np.float32)

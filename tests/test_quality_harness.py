@@ -12,8 +12,10 @@ import quality  # noqa: E402
 
 
 def test_harness_tiny_end_to_end(tmp_path):
-    assert quality.main(["--model", "random", "--tiny", "--contexts", "64", "--out",
-                         str(tmp_path)]) == 0
+    assert (
+        quality.main(["--model", "random", "--tiny", "--contexts", "64", "--out", str(tmp_path)])
+        == 0
+    )
     res = json.loads((tmp_path / "quality_tiny.json").read_text())
     modes = {(r["method"], r["mode"]) for r in res["accuracy"]}
     assert ("full", "agnostic") in modes and ("streaming", "aware") in modes
@@ -23,6 +25,11 @@ def test_harness_tiny_end_to_end(tmp_path):
         assert 0.0 <= row["rouge_l"] <= 1.0 and row["ppl_ratio"] > 0
     assert (tmp_path / "quality_tiny.md").read_text().startswith("# Compression quality")
     assert (tmp_path / "quality_tiny.png").stat().st_size > 0
+    beyond = res["beyond_context"]
+    assert set(beyond["runs"]) == {"full", "streaming"} and beyond["tokens"] == 128
+    for run in beyond["runs"].values():
+        assert run["in_context_ppl"] > 1 and run["past_context_ppl"] > 1
+    assert (tmp_path / "quality_tiny_streaming_ppl.png").stat().st_size > 0
 
 
 def test_scores():
