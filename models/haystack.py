@@ -330,6 +330,7 @@ def make_batch(
     min_facts: int = 1,
     max_facts: int = MAX_FACTS,
     filler_fraction: float = 0.0,
+    recall_fraction: float = 0.0,
     answer_weight: float = 21.0,
 ) -> Batch:
     """A training batch: haystack rows (and plain filler rows) of `seq_len` input tokens.
@@ -343,6 +344,11 @@ def make_batch(
       seq_len: input tokens T per row (a haystack row is `make_example(rng, T, n)` + `</s>`).
       min_facts, max_facts: each haystack row draws its number of facts uniformly from this range.
       filler_fraction: probability that a row is plain filler (`<s>` + T filler tokens).
+      recall_fraction: probability that a haystack row ends, instead of the question, with the
+        asked fact restated up to its code (`... The code for Alice is` + the code): the
+        one-hop form of the lookup (the name right before the code, as in the document), which
+        teaches the keys at a code to carry the name that precedes it; the question then only
+        has to bring the name to its last token. Same length and answer positions.
       answer_weight: loss weight of the answer digits and the `</s>` target.
 
     Returns:
@@ -357,8 +363,9 @@ def make_batch(
         raise ValueError(f"{min_facts=}, {max_facts=} must satisfy 1 <= min <= max <= {MAX_FACTS}")
     if seq_len < min_tokens(max_facts):
         raise ValueError(f"{seq_len=} is too short for {max_facts} facts")
-    if not 0.0 <= filler_fraction <= 1.0:
-        raise ValueError(f"{filler_fraction=} must be in [0, 1]")
+    for name, value in (("filler_fraction", filler_fraction), ("recall_fraction", recall_fraction)):
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name}={value} must be in [0, 1]")
     tokens = np.empty((batch_size, seq_len + 1), np.int32)
     weights = np.ones((batch_size, seq_len), np.float32)
     answer_mask = np.zeros((batch_size, seq_len), bool)
@@ -368,7 +375,13 @@ def make_batch(
             continue
         n = int(rng.integers(min_facts, max_facts + 1))
         ex = make_example(rng, seq_len, n)
-        tokens[row] = [BOS_ID] + encode(ex.prompt) + encode(ex.answer) + [EOS_ID]
+        prompt = ex.prompt
+        if recall_fraction and rng.random() < recall_fraction:
+            name = ex.meta.facts[ex.meta.asked].name
+            restated = ["The", "code", "for", name, "is"]
+            filler = make_filler(rng, QUESTION_TOKENS - len(restated)).split()
+            prompt = " ".join(prompt.split()[:-QUESTION_TOKENS] + filler + restated)
+        tokens[row] = [BOS_ID] + encode(prompt) + encode(ex.answer) + [EOS_ID]
         # Targets at t predict token t + 1: the answer digits are tokens T-5..T-1, `</s>` is T.
         answer_mask[row, seq_len - CODE_LEN - 1 : seq_len - 1] = True
         weights[row, seq_len - CODE_LEN - 1 :] = answer_weight

@@ -148,3 +148,24 @@ def test_bad_arguments_raise(call):
 def test_shortest_example_fits():
     ex = haystack.make_example(np.random.default_rng(0), haystack.min_tokens(8), 8)
     assert ex.prompt.startswith("The code for ")
+
+
+def test_recall_rows_restate_the_asked_fact():
+    rng = np.random.default_rng(5)
+    batch = haystack.make_batch(rng, 32, 96, min_facts=2, max_facts=4, recall_fraction=0.5)
+    recalls = 0
+    for row, mask in zip(batch.tokens, batch.answer_mask, strict=True):
+        words = haystack.decode(row[1:-1]).split()
+        answer = words[-5:]
+        assert mask.sum() == haystack.CODE_LEN and row[-1] == haystack.EOS_ID
+        if "Question" in words:
+            continue
+        recalls += 1
+        name = words[-7]
+        assert words[-10:-5] == ["The", "code", "for", name, "is"]
+        # the restated fact is the document's fact about that name, with the same code
+        first = words.index(name)
+        assert words[first + 2 : first + 7] == answer
+    assert 0 < recalls < 32
+    with pytest.raises(ValueError, match="recall_fraction"):
+        haystack.make_batch(rng, 2, 96, max_facts=2, recall_fraction=1.5)
