@@ -8,7 +8,7 @@ CORE_STAMP := $(VENV)/.core-installed
 BENCH_STAMP := $(VENV)/.bench-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test bench lint redis clean
+.PHONY: demo test bench lint redis clean train-demo
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,14 @@ demo: $(DEV_STAMP)
 
 test: $(DEV_STAMP) redis
 	$(PY) -m pytest -q -n 2 $(PYTEST_ARGS)
+
+# Reproduces the bundled demo model: trains (resumable: run it again after a stop, it continues
+# exactly), then writes models/demo as a Hugging Face folder. TRAIN_ARGS, e.g. --max-minutes 60.
+TRAIN_ARGS ?=
+train-demo: $(DEV_STAMP)
+	$(PY) -m models.train_demo --out tmp/demo-train --final tmp/demo-final --resume $(TRAIN_ARGS)
+	@if [ -d tmp/demo-final ]; then $(VENV)/bin/jkv export-hf tmp/demo-final models/demo; \
+	else echo "training stopped before the end: run 'make train-demo' again to continue"; fi
 
 bench: $(BENCH_STAMP)
 	$(PY) benchmarks/decode_cpu.py

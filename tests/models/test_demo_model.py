@@ -1,0 +1,60 @@
+"""The bundled demo model: loads offline, answers fixed haystack prompts, exports to HF with the
+same logits, and `make demo` (jkv.demo) runs end to end."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jkv
+from jkv.checkpoints import DEMO_DIR
+from models.haystack import make_example
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return jkv.load("demo")
+
+
+def test_bundled_files_are_small():
+    size = sum(p.stat().st_size for p in DEMO_DIR.rglob("*") if p.is_file())
+    assert size <= 20 * 2**20, size
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert (DEMO_DIR / name).is_file()
+
+
+def test_answers_fixed_prompts(demo):
+    """Greedy answers to held-out single-needle haystacks at the trained context (seeded)."""
+    ctx = demo.config.max_position_embeddings
+    rng = np.random.default_rng(12345)
+    examples = [make_example(rng, ctx, 1) for _ in range(4)]
+    out = jkv.generate(demo, [e.prompt for e in examples], max_new_tokens=6)
+    for ex, r in zip(examples, out, strict=True):
+        assert r.text.split()[:5] == ex.answer.split(), (ex.answer, r.text)
+        assert r.finish_reason == "stop"
+
+
+def test_export_round_trip(demo, tmp_path):
+    import torch
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    folder = jkv.export_hf(demo, tmp_path / "hf")
+    model = LlamaForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(folder)
+    text = make_example(np.random.default_rng(1), 96, 2).prompt
+    ids = tok(text)["input_ids"]
+    assert ids == demo.tokenizer.encode(text)
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits.numpy()
+    got = np.asarray(jkv.logits(demo, [ids]))
+    np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-4)
+    again = jkv.load(folder)
+    np.testing.assert_array_equal(np.asarray(jkv.logits(again, [ids])), got)
+
+
+def test_make_demo_runs(capsys):
+    from jkv import demo as demo_main
+
+    assert demo_main.main([]) == 0
+    out = capsys.readouterr().out
+    assert "full cache" in out and "SnapKV" in out and "response cache" in out
