@@ -99,9 +99,10 @@ def _budget(text: str) -> int | float:
 
 def _read_config(model: str) -> tuple[ModelConfig, str]:
     """The config of a preset or a checkpoint folder, without loading any weights."""
+    from jkv.checkpoints import DEMO_DIR
     from jkv.checkpoints.orbax import MARKER, _config_from_json
 
-    path = Path(model)
+    path = DEMO_DIR if model == "demo" else Path(model)
     if path.is_dir():
         if (path / MARKER).is_file():
             try:

@@ -58,3 +58,10 @@ def test_make_demo_runs(capsys):
     assert demo_main.main([]) == 0
     out = capsys.readouterr().out
     assert "full cache" in out and "SnapKV" in out and "response cache" in out
+
+
+def test_cli_knows_demo(capsys):
+    from jkv.cli import main
+
+    assert main(["info", "demo"]) == 0
+    assert "LlamaForCausalLM" in capsys.readouterr().out
