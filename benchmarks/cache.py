@@ -210,8 +210,9 @@ def hit_vs_generation(redis_url: str, reps: int = 5) -> dict:
     try:
         made = jkv.generate(params, prompt, cache=node_a, **kw)
         assert made.cache is None
-        l1 = sorted(timed_once(lambda: jkv.generate(params, prompt, cache=node_a, **kw))
-                    for _ in range(200))
+        l1 = sorted(
+            timed_once(lambda: jkv.generate(params, prompt, cache=node_a, **kw)) for _ in range(200)
+        )
         l2 = []
         for _ in range(200):
             node_b._l1.clear()  # a cold L1: the hit must come from Redis
@@ -222,9 +223,14 @@ def hit_vs_generation(redis_url: str, reps: int = 5) -> dict:
         node_a.close()
         node_b.close()
     med = lambda xs: xs[len(xs) // 2] * 1e6
-    return {"model": label, "generation_us": med(gen), "l1_hit_us": med(l1),
-            "l2_hit_us": med(l2), "generation_over_l1_hit": med(gen) / med(l1),
-            "generation_over_l2_hit": med(gen) / med(l2)}
+    return {
+        "model": label,
+        "generation_us": med(gen),
+        "l1_hit_us": med(l1),
+        "l2_hit_us": med(l2),
+        "generation_over_l1_hit": med(gen) / med(l1),
+        "generation_over_l2_hit": med(gen) / med(l2),
+    }
 
 
 def timed_once(fn) -> float:
@@ -350,9 +356,11 @@ def print_table(results: dict) -> None:
         goal = results["goals"].get(name)
         print(f"{name:<34}{value:>7.3f}" + (f"   (goal <= {goal})" if goal else ""))
     d = results["demo_model_hit_vs_generation"]
-    print(f"\nmodel {d['model']}: generation {d['generation_us'] / 1e3:.1f} ms, L1 hit "
-          f"{d['l1_hit_us']:.1f} us ({d['generation_over_l1_hit']:.0f}x), L2 hit "
-          f"{d['l2_hit_us']:.1f} us ({d['generation_over_l2_hit']:.0f}x)")
+    print(
+        f"\nmodel {d['model']}: generation {d['generation_us'] / 1e3:.1f} ms, L1 hit "
+        f"{d['l1_hit_us']:.1f} us ({d['generation_over_l1_hit']:.0f}x), L2 hit "
+        f"{d['l2_hit_us']:.1f} us ({d['generation_over_l2_hit']:.0f}x)"
+    )
 
 
 if __name__ == "__main__":

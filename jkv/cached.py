@@ -38,9 +38,14 @@ def _normalised(prompt):
 def _from_record(record, level):
     from jkv.generate import GenerationResult
 
-    return GenerationResult(text=record.text, tokens=list(record.tokens),
-                            finish_reason=record.finish_reason, kv_bytes=0,
-                            stats={"cache_group": record.group_id}, cache=level)
+    return GenerationResult(
+        text=record.text,
+        tokens=list(record.tokens),
+        finish_reason=record.finish_reason,
+        kv_bytes=0,
+        stats={"cache_group": record.group_id},
+        cache=level,
+    )
 
 
 def generate_cached(params, prompt, req, cache, run):
@@ -59,8 +64,9 @@ def generate_cached(params, prompt, req, cache, run):
             fresh.append(run(params, rows, req)[0])
             return fresh[0]
 
-        record, level = cache.get_or_generate(params.name, params.version, keys[0], settings,
-                                              produce)
+        record, level = cache.get_or_generate(
+            params.name, params.version, keys[0], settings, produce
+        )
         if level is None and fresh:  # this call generated: keep its real stats and bytes
             return dataclasses.replace(fresh[0], cache=None)
         return _from_record(record, level)

@@ -49,19 +49,22 @@ class ModelEmbedder:
         for i, r in enumerate(rows):
             tokens[i, : len(r)] = r
         n = jnp.asarray([len(r) for r in rows], jnp.int32)
-        return np.asarray(_mean_hidden(self.params.weights, self.params.config,
-                                       jnp.asarray(tokens), n))
+        return np.asarray(
+            _mean_hidden(self.params.weights, self.params.config, jnp.asarray(tokens), n)
+        )
 
     def __call__(self, prompt) -> np.ndarray:
         return self.embed_batch([prompt])[0]
 
 
-def fit_clusters(embedder: ModelEmbedder, sample_prompts, k: int, *, seed: int = 0,
-                 batch: int = 16) -> KMeansClusterer:
+def fit_clusters(
+    embedder: ModelEmbedder, sample_prompts, k: int, *, seed: int = 0, batch: int = 16
+) -> KMeansClusterer:
     """k-means centroids over the embeddings of `sample_prompts` (the knowledge groups)."""
     prompts = list(sample_prompts)
     if len(prompts) < k:
         raise ValueError(f"{len(prompts)} sample prompts cannot make k={k} clusters")
-    vectors = np.concatenate([embedder.embed_batch(prompts[i:i + batch])
-                              for i in range(0, len(prompts), batch)])
+    vectors = np.concatenate(
+        [embedder.embed_batch(prompts[i : i + batch]) for i in range(0, len(prompts), batch)]
+    )
     return KMeansClusterer.fit(vectors, k, seed=seed)

@@ -49,8 +49,9 @@ def load_demo(*, name=None, dtype=None, mesh=None) -> Params:
     """The bundled demo model (models/demo/, a Hugging Face folder trained by
     models/train_demo.py), offline."""
     if not (DEMO_DIR / "config.json").is_file():
-        raise ValueError(f"the demo model is not bundled at {DEMO_DIR}; `make train-demo` "
-                         f"trains it")
+        raise ValueError(
+            f"the demo model is not bundled at {DEMO_DIR}; `make train-demo` trains it"
+        )
     return load_hf(DEMO_DIR, dtype=dtype, name=name or "jkv-demo", mesh=mesh, progress=False)
 
 

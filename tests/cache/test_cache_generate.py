@@ -21,9 +21,12 @@ def test_l1_then_model_and_settings_in_the_key(params):
     assert first.cache is None and again.cache == "l1"
     assert again.tokens == first.tokens and again.text == first.text
     assert again.tokens == jkv.generate(params, "w1 w2 w3", max_new_tokens=5).tokens
-    for kwargs in (dict(max_new_tokens=6), dict(max_new_tokens=5, kv_dtype="bfloat16"),
-                   dict(max_new_tokens=5, kv_policy="snapkv", kv_budget=4),
-                   dict(max_new_tokens=5, temperature=0.7, seed=1)):
+    for kwargs in (
+        dict(max_new_tokens=6),
+        dict(max_new_tokens=5, kv_dtype="bfloat16"),
+        dict(max_new_tokens=5, kv_policy="snapkv", kv_budget=4),
+        dict(max_new_tokens=5, temperature=0.7, seed=1),
+    ):
         assert jkv.generate(params, "w1 w2 w3", cache=cache, **kwargs).cache is None
     renamed = params.replace(name="other-model")
     assert jkv.generate(renamed, "w1 w2 w3", max_new_tokens=5, cache=cache).cache is None
