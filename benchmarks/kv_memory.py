@@ -30,6 +30,7 @@ SETTINGS = [
     ("streaming 10%", "bfloat16", "streaming", 0.1),
     ("snapkv 10%", "bfloat16", "snapkv", 0.1),
     ("snapkv 10% + fp8", "float8_e4m3fn", "snapkv", 0.1),
+    ("snapkv_segments 10%", "bfloat16", "snapkv_segments", 0.1),
     ("pyramidkv 10%", "bfloat16", "pyramidkv", 0.1),
     ("h2o 10%", "bfloat16", "h2o", 0.1),
     ("adakv 10% (allocated)", "bfloat16", "adakv", 0.1),
@@ -196,6 +197,7 @@ def main(argv=None) -> int:
         ("full", None, None),
         ("streaming 128", "streaming", 128),
         ("snapkv 128", "snapkv", 128),
+        ("snapkv_segments 128", "snapkv_segments", 128),
         ("h2o 128", "h2o", 128),
     ]
     dec = decode_speed(lengths, 256, settings)
