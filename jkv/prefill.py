@@ -156,15 +156,7 @@ def prepare(
         kv = grow(kv_state, t + headroom)
     else:
         capacity = t if policy is not None else t + max_new_tokens
-        kv = kvlib.init_state(
-            num_layers=cfg.num_layers,
-            batch=len(prompts),
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            capacity=capacity,
-            dtype=kv_dtype,
-            scores=policy is not None and policy.observes,
-        )
+        kv = empty_state(cfg, len(prompts), capacity, kv_dtype, policy=policy)
     if params.mesh is not None:
         from jkv.sharding import shard_kv
 
@@ -227,6 +219,33 @@ def prefill(
     return state
 
 
+def empty_state(cfg: ModelConfig, batch: int, capacity: int, dtype: str, *, policy=None):
+    """An empty KV state shaped for `cfg` that carries `policy`, with the per-slot score array
+    when that policy accumulates one."""
+    return kvlib.init_state(
+        num_layers=cfg.num_layers,
+        batch=batch,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        capacity=capacity,
+        dtype=dtype,
+        scores=policy is not None and policy.observes,
+        policy=policy,
+    )
+
+
+def _one_text(params: Params, text, what: str, *, continuation: bool = False) -> list[int]:
+    """The ids of the one text a scoring function takes (at least 2 tokens)."""
+    if not isinstance(params, Params):
+        raise ValueError(f"params is a {type(params).__name__}; expected jkv.Params")
+    rows, is_batch = encode_prompts(params, text, continuation=continuation)
+    if is_batch:
+        raise ValueError(f"{what} takes one text; got a batch of {len(rows)}")
+    if len(rows[0]) < 2:
+        raise ValueError(f"text has {len(rows[0])} token(s); scoring needs at least 2")
+    return rows[0]
+
+
 def score(params: Params, text, *, kv_state: kvlib.KVState | None = None, backend=None):
     """Log-probabilities the model gives each next token of `text` (one row), continuing
     `kv_state` if given (e.g. a context compressed by a policy): perplexity under compression.
@@ -234,15 +253,8 @@ def score(params: Params, text, *, kv_state: kvlib.KVState | None = None, backen
     Returns:
       float32 numpy `[n - 1]`: log p(token_i | the state and text[:i]) for i = 1..n-1.
     """
-    if not isinstance(params, Params):
-        raise ValueError(f"params is a {type(params).__name__}; expected jkv.Params")
+    ids = _one_text(params, text, "score", continuation=kv_state is not None)
     backend = attn.validate_backend(backend)
-    rows, is_batch = encode_prompts(params, text, continuation=kv_state is not None)
-    if is_batch:
-        raise ValueError(f"score takes one text; got a batch of {len(rows)}")
-    ids = rows[0]
-    if len(ids) < 2:
-        raise ValueError(f"text has {len(ids)} token(s); scoring needs at least 2")
     t = bucket(len(ids))
     tokens = np.zeros((1, t), np.int32)
     tokens[0, : len(ids)] = ids
@@ -251,15 +263,7 @@ def score(params: Params, text, *, kv_state: kvlib.KVState | None = None, backen
         _check_state(kv_state, 1, None)
         kv, policy = grow(kv_state, t), kv_state.policy
     else:
-        kv = kvlib.init_state(
-            num_layers=cfg.num_layers,
-            batch=1,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            capacity=t,
-            dtype=cfg.dtype,
-        )
-        policy = None
+        kv, policy = empty_state(cfg, 1, t, cfg.dtype), None
     logits, _ = prefill_step(
         params.weights,
         cfg,
@@ -312,16 +316,9 @@ def stream_score(params: Params, text, *, policy=None, backend=None):
     Returns:
       float32 numpy `[n - 1]`: log p(token_i | text[:i]) for i = 1..n-1.
     """
-    if not isinstance(params, Params):
-        raise ValueError(f"params is a {type(params).__name__}; expected jkv.Params")
+    ids = _one_text(params, text, "stream_score")
     backend = attn.validate_backend(backend)
     policy = policies.resolve(policy)
-    rows, is_batch = encode_prompts(params, text)
-    if is_batch:
-        raise ValueError(f"stream_score takes one text; got a batch of {len(rows)}")
-    ids = rows[0]
-    if len(ids) < 2:
-        raise ValueError(f"text has {len(ids)} token(s); scoring needs at least 2")
     if policy is None:
         capacity = len(ids)
     elif policy.evicts and isinstance(policy.budget, int):
@@ -332,15 +329,6 @@ def stream_score(params: Params, text, *, policy=None, backend=None):
             "StreamingLLM(budget=256)); a fractional budget needs the whole text up front"
         )
     cfg = params.config
-    kv = kvlib.init_state(
-        num_layers=cfg.num_layers,
-        batch=1,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        capacity=capacity,
-        dtype=cfg.dtype,
-        scores=policy is not None and policy.observes,
-        policy=policy,
-    )
+    kv = empty_state(cfg, 1, capacity, cfg.dtype, policy=policy)
     out = _teacher_forced(params.weights, cfg, jnp.asarray(ids, jnp.int32), kv, backend=backend)
     return np.asarray(out, np.float32)
