@@ -105,6 +105,21 @@ class RedisServer:
 
 
 @pytest.fixture
+def poll():
+    """`poll(predicate, within=seconds)`: True as soon as `predicate()` is, else its last value."""
+
+    def wait(predicate, within: float) -> bool:
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            if predicate():
+                return True
+            time.sleep(0.01)
+        return predicate()
+
+    return wait
+
+
+@pytest.fixture
 def redis_server(tmp_path):
     server = RedisServer(tmp_path)
     server.start()

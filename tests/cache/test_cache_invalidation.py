@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,33 +18,24 @@ SETTINGS = {"temperature": 0.0}
 ANSWER = {"text": "t", "tokens": [1], "finish_reason": "stop"}
 
 
-def _poll(predicate, within: float) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
-
-
-def test_a_lost_event_is_caught_by_the_generation_refresh(redis_url, redis_client):
+def test_a_lost_event_is_caught_by_the_generation_refresh(redis_url, redis_client, poll):
     with ResponseCache(redis_url, generation_refresh=0.2) as cache:
         cache.put("demo", "v1", "q", SETTINGS, ANSWER)
         assert cache.get("demo", "v1", "q", SETTINGS).level == "l1"
         redis_client.incr(K.generation_key("demo"))  # a bump whose event never arrived
-        assert _poll(lambda: cache.get("demo", "v1", "q", SETTINGS) is None, within=2)
+        assert poll(lambda: cache.get("demo", "v1", "q", SETTINGS) is None, within=2)
         assert cache.key("demo", "v1", "q", SETTINGS).startswith("llm:response:{demo}:1:")
         assert cache.stats()["invalidations"]["generation_changes_seen"] == 1
 
 
-def test_malformed_events_are_ignored_and_counted(redis_url, redis_client):
+def test_malformed_events_are_ignored_and_counted(redis_url, redis_client, poll):
     with ResponseCache(redis_url) as cache:
         cache.put("demo", "v1", "q", SETTINGS, ANSWER)
         for bad in [b"not json", b"{}", json.dumps({"v": 9, "op": "model", "model": "demo"})]:
             redis_client.publish(cache.config.channel, bad)
         good = {"v": 1, "op": "group", "model": "other", "gen": 0, "group": 1, "node": "x"}
         redis_client.publish(cache.config.channel, json.dumps(good))
-        assert _poll(lambda: cache.stats()["invalidations"]["events_received"] == 1, within=2)
+        assert poll(lambda: cache.stats()["invalidations"]["events_received"] == 1, within=2)
         assert cache.stats()["invalidations"]["events_ignored"] == 3
         assert cache.get("demo", "v1", "q", SETTINGS).level == "l1"
 

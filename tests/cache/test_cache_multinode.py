@@ -13,15 +13,6 @@ from jkv.cache.codec import Record, encode
 pytestmark = pytest.mark.timeout(120)
 
 
-def _poll(predicate, within: float) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
-
-
 def test_a_result_put_by_one_node_is_an_l2_hit_on_the_other(node_factory):
     a, b = node_factory("a"), node_factory("b")
     first = a.call("get_or_generate", prompt="What is  jkv?")
@@ -32,27 +23,27 @@ def test_a_result_put_by_one_node_is_an_l2_hit_on_the_other(node_factory):
     assert b.call("stats")["generated"] == 0
 
 
-def test_group_invalidation_reaches_the_other_nodes_l1_within_1s(node_factory):
+def test_group_invalidation_reaches_the_other_nodes_l1_within_1s(node_factory, poll):
     a, b = node_factory("a"), node_factory("b")
     for prompt, group in (("refund policy", 7), ("shipping times", 8)):
         a.call("get_or_generate", prompt=prompt, group=group)
         assert b.call("get_or_generate", prompt=prompt)["level"] == "l2"
         assert b.call("get", prompt=prompt)["level"] == "l1"
     assert a.call("invalidate_group", group=7)["removed"] == 1
-    assert _poll(lambda: b.call("get", prompt="refund policy")["level"] is None, within=1.0)
+    assert poll(lambda: b.call("get", prompt="refund policy")["level"] is None, within=1.0)
     assert b.call("get", prompt="shipping times")["level"] == "l1"  # other group untouched
     regenerated = b.call("get_or_generate", prompt="refund policy")
     assert regenerated["level"] is None and regenerated["text"] == "b:refund policy"
 
 
-def test_model_invalidation_reaches_the_other_nodes_l1_within_1s(node_factory):
+def test_model_invalidation_reaches_the_other_nodes_l1_within_1s(node_factory, poll):
     a, b = node_factory("a"), node_factory("b")
     b.call("get_or_generate", prompt="hello")
     b.call("get_or_generate", prompt="hello", model="other")
     assert b.call("get", prompt="hello")["level"] == "l1"
     reply = a.call("invalidate_model", wait=True)
     assert reply["generation"] == 1 and reply["removed"] == 1
-    assert _poll(lambda: b.call("get", prompt="hello")["level"] is None, within=1.0)
+    assert poll(lambda: b.call("get", prompt="hello")["level"] is None, within=1.0)
     assert b.call("get", prompt="hello", model="other")["level"] == "l1"
     assert b.call("get_or_generate", prompt="hello")["level"] is None
 

@@ -17,16 +17,7 @@ def _answer(prompt: str) -> dict:
     return {"text": f"answer to {prompt}", "tokens": [len(prompt)], "finish_reason": "stop"}
 
 
-def _poll(predicate, within: float) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
-
-
-def test_killed_redis_degrades_to_l1_and_comes_back(redis_server):
+def test_killed_redis_degrades_to_l1_and_comes_back(redis_server, poll):
     a = ResponseCache(redis_server.url, node_id="a")
     b = ResponseCache(redis_server.url, node_id="b")
     hot = [f"hot prompt {i}" for i in range(20)]
@@ -68,7 +59,7 @@ def test_killed_redis_degrades_to_l1_and_comes_back(redis_server):
         subscribes = a.stats()["redis"]["subscribes"]
         flushes = a.stats()["l1"]["flushes"]
         redis_server.restart()
-        assert _poll(lambda: a.stats()["redis"]["subscribes"] > subscribes, within=10)
+        assert poll(lambda: a.stats()["redis"]["subscribes"] > subscribes, within=10)
         assert a.stats()["l1"]["flushes"] > flushes
         assert a.get("demo", "v1", "only in L1", SETTINGS) is None  # flushed: may be stale
     finally:
@@ -82,7 +73,7 @@ def test_killed_redis_degrades_to_l1_and_comes_back(redis_server):
         b.put("demo", "v1", "after", SETTINGS, _answer("after"))
         return a.get("demo", "v1", "after", SETTINGS) is not None
 
-    assert _poll(shared, within=10)
+    assert poll(shared, within=10)
     regenerated = a.get_or_generate("demo", "v1", "brand new", SETTINGS, lambda: _answer("x"))
     assert regenerated.level is None
     assert b.get("demo", "v1", "brand new", SETTINGS).level == "l2"
@@ -90,7 +81,7 @@ def test_killed_redis_degrades_to_l1_and_comes_back(redis_server):
     b.close()
 
 
-def test_hung_redis_costs_one_timeout_then_is_skipped(redis_server):
+def test_hung_redis_costs_one_timeout_then_is_skipped(redis_server, poll):
     with ResponseCache(redis_server.url, node_id="a") as a:
         a.get_or_generate("demo", "v1", "hot", SETTINGS, lambda: _answer("hot"))
         redis_server.pause()
@@ -112,7 +103,7 @@ def test_hung_redis_costs_one_timeout_then_is_skipped(redis_server):
                 a.put("demo", "v1", "later", SETTINGS, _answer("later"))
                 return b.get("demo", "v1", "later", SETTINGS) is not None
 
-            assert _poll(shared, within=10)
+            assert poll(shared, within=10)
 
 
 def test_no_redis_at_start_serves_from_l1_and_the_model():

@@ -105,20 +105,8 @@ def test_compressed_context_serves_many_questions(params):
 def test_streaming_past_trained_context_compiles_once_constant_bytes(tiny_params):
     params = tiny_params("llama", max_position_embeddings=64)
     steps = 4 * params.config.max_position_embeddings
-    req = gen.Request.build(
-        params,
-        max_new_tokens=steps,
-        temperature=0.0,
-        top_k=None,
-        top_p=None,
-        min_p=None,
-        logit_keep_ratio=None,
-        seed=0,
-        stop=None,
-        kv_dtype=None,
-        backend="xla",
-        kv_policy=jkv.StreamingLLM(budget=24),
-    )
+    settings = dict(max_new_tokens=steps, backend="xla", kv_policy=jkv.StreamingLLM(budget=24))
+    req = gen.Request.build(params, **{**gen._GENERATE_DEFAULTS, **settings})
     session = gen.Session(params, [list(range(3, 13))], req)
     sizes = set()
     before = gen.decode._cache_size()
