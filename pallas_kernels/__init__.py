@@ -29,10 +29,30 @@ from pallas_kernels.lowrank_attention import (
     lowrank_attention,
     lowrank_attention_reference,
 )
+from pallas_kernels.paged_decode_attention import (
+    gather_pages,
+    paged_decode_attention,
+    paged_decode_attention_reference,
+)
+from pallas_kernels.prefill_attention import (
+    prefill_attention,
+    prefill_attention_blocked,
+    prefill_attention_mass,
+    prefill_attention_mass_reference,
+    prefill_attention_reference,
+)
 from pallas_kernels.segment_merge import Merged, segment_merge, segment_merge_reference
 from pallas_kernels.window_scores import window_scores, window_scores_reference
 
 __all__ = [
+    "gather_pages",
+    "paged_decode_attention",
+    "paged_decode_attention_reference",
+    "prefill_attention",
+    "prefill_attention_blocked",
+    "prefill_attention_mass",
+    "prefill_attention_mass_reference",
+    "prefill_attention_reference",
     "Compacted",
     "Merged",
     "combine_attention",
