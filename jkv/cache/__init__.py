@@ -9,7 +9,13 @@ from jkv.cache.codec import CodecError, Record
 from jkv.cache.config import CacheConfig
 from jkv.cache.embed import ClusterIdFn, KMeansClusterer
 from jkv.cache.invalidation import CleanupJob
-from jkv.cache.keys import is_cacheable, normalize_prompt, request_hash
+from jkv.cache.keys import (
+    Settings,
+    derive_model_name,
+    is_cacheable,
+    normalize_prompt,
+    request_hash,
+)
 from jkv.cache.l2 import CacheUnavailableError
 from jkv.cache.response_cache import Lookup, ResponseCache
 
@@ -23,6 +29,8 @@ __all__ = [
     "Lookup",
     "Record",
     "ResponseCache",
+    "Settings",
+    "derive_model_name",
     "is_cacheable",
     "normalize_prompt",
     "request_hash",

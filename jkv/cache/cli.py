@@ -116,10 +116,13 @@ def _stats(url: str | None) -> dict:
     try:
         models: dict[str, dict] = {}
         for raw in client.scan_iter(match="llm:gen:*", count=_SCAN_COUNT):
-            name = raw.decode()[len("llm:gen:{") : -1]
-            models.setdefault(name, {})["generation"] = int(client.get(raw) or 0)
+            name = raw.decode("utf-8", "replace")[len("llm:gen:{") : -1]
+            # None: a value no node can read (the model's cache is bypassed until repaired)
+            models.setdefault(name, {})["generation"] = K.parse_generation(client.get(raw))
         for raw in client.scan_iter(match=K.PREFIX + "*", count=_SCAN_COUNT):
-            name, rest = raw.decode()[len(K.PREFIX) + 1 :].split("}:", 1)
+            name, sep, rest = raw.decode("utf-8", "replace")[len(K.PREFIX) + 1 :].partition("}:")
+            if not sep:  # not a key jkv wrote: nothing to count it under
+                continue
             counts = models.setdefault(name, {}).setdefault("keys_by_generation", {})
             gen = rest.split(":", 1)[0]
             counts[gen] = counts.get(gen, 0) + 1

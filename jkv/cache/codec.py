@@ -1,15 +1,19 @@
 """Cached values: one leading format-version byte, then a msgpack array.
 
-Layout (FORMAT_VERSION 1)::
+Layout (FORMAT_VERSION 2)::
 
-    b"\\x01" + msgpack([text, tokens, finish_reason, model_version, group_id, created_at])
+    b"\\x02" + msgpack([text, tokens, finish_reason, model_version, group_id, created_at,
+                        kv_bytes, stats])
 
     text, finish_reason, model_version: str; group_id: int or nil; created_at: float64;
-    tokens: bin, little-endian int32 token ids (4 bytes each).
+    tokens: bin, little-endian int32 token ids (4 bytes each); kv_bytes: int >= 0 (the KV
+    bytes of the generation that produced the value); stats: map of str to plain values (that
+    generation's statistics).
 
 A positional array rather than a map: smaller and faster to unpack, and the version byte
 says how to read it. Tokens travel packed: one C call reads them back, and a wrong length
-is caught for free, where a msgpack list would need a per-element type check. A reader that meets another version byte, a truncated or garbled
+is caught for free, where a msgpack list would need a per-element type check. A reader that
+meets another version byte (version 1 values lack kv_bytes and stats), a truncated or garbled
 payload, or fields of the wrong type raises `CodecError`; the cache treats that as a miss
 and deletes the value, so a format change never serves garbage and heals itself.
 """
@@ -17,17 +21,18 @@ and deletes the value, so a format change never serves garbage and heals itself.
 from __future__ import annotations
 
 import operator
-import sys
-from array import array
+import struct
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import msgpack
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _VERSION_BYTE = bytes([FORMAT_VERSION])
-_SWAP = sys.byteorder == "big"  # the stored form is little-endian everywhere
-_I32 = next(code for code in "ilh" if array(code).itemsize == 4)
+# The field types a payload must have, with and without a group id: one tuple comparison
+# checks them all on the L2 hit path.
+_TYPES = (str, bytes, str, str, int, float, int, dict)
+_TYPES_UNGROUPED = (str, bytes, str, str, type(None), float, int, dict)
 
 
 class CodecError(ValueError):
@@ -35,16 +40,19 @@ class CodecError(ValueError):
 
 
 class Record(NamedTuple):
-    """One cached response (immutable; a NamedTuple because it is built on every L2 hit and
-    costs a fifth of a frozen dataclass to construct).
+    """One cached response (a NamedTuple because it is built on every L2 hit and costs a fifth
+    of a frozen dataclass to construct). Treat `stats` as read-only: L1 shares it between hits.
 
     Attributes:
         text: the generated text.
         tokens: the generated token ids.
         finish_reason: why generation stopped, e.g. "stop" or "length".
-        model_version: the weights fingerprint the response came from.
+        model_version: the identity of the model the response came from.
         group_id: the embedding-cluster id (knowledge-refresh group), None when ungrouped.
         created_at: Unix time (seconds) when the response was generated.
+        kv_bytes: the KV-state bytes of the generation that produced it.
+        stats: that generation's statistics (plain data: str keys; None, bool, int, float, str,
+            lists and maps of these).
     """
 
     text: str
@@ -53,17 +61,21 @@ class Record(NamedTuple):
     model_version: str
     group_id: int | None
     created_at: float
+    kv_bytes: int = 0
+    stats: dict = {}  # noqa: RUF012 -- shared default, never mutated (see the class docstring)
 
 
-def fields_of(result: Any) -> tuple[str, tuple[int, ...], str]:
-    """Reads (text, tokens, finish_reason) from what a generate callable returned.
+def fields_of(result: Any) -> tuple[str, tuple[int, ...], str, int, dict]:
+    """Reads what a record keeps from what a generate callable returned.
 
     Args:
-        result: a mapping with keys "text", "tokens", "finish_reason", or an object with
-            those attributes (e.g. a result dataclass).
+        result: a mapping with keys "text", "tokens", "finish_reason" and optionally
+            "kv_bytes" and "stats", or an object with those attributes (e.g. a result
+            dataclass).
 
     Returns:
-        The three fields, tokens as a tuple of ints.
+        (text, tokens as a tuple of ints, finish_reason, kv_bytes (0 when absent), stats as
+        plain data (empty when absent): numpy scalars by `.item()`, arrays and tuples as lists).
 
     Raises:
         ValueError: a field is missing or of the wrong type.
@@ -76,12 +88,47 @@ def fields_of(result: Any) -> tuple[str, tuple[int, ...], str]:
         raise ValueError(f"generate result finish_reason={finish_reason!r} must be a str")
     try:
         tokens = tuple(operator.index(t) for t in tokens)
-        array(_I32, tokens)
-    except (TypeError, ValueError, OverflowError):
+        _pack_tokens(tokens)  # int32 range
+    except (TypeError, ValueError, OverflowError, struct.error):
         raise ValueError(
             f"generate result tokens={tokens!r} must be a sequence of int32 token ids"
         ) from None
-    return text, tokens, finish_reason
+    kv_bytes = get("kv_bytes") or 0
+    try:
+        kv_bytes = operator.index(kv_bytes)
+    except TypeError:
+        kv_bytes = -1
+    if not 0 <= kv_bytes < 2**63:
+        raise ValueError(f"generate result kv_bytes={get('kv_bytes')!r} must be an int >= 0")
+    stats = get("stats")
+    stats = {} if stats is None else _plain(stats, "stats")
+    if type(stats) is not dict:
+        raise ValueError(f"generate result stats={get('stats')!r} must be a mapping")
+    return text, tokens, finish_reason, kv_bytes, stats
+
+
+def _plain(value: Any, where: str) -> Any:
+    """msgpack-ready data: str-keyed dicts, lists and scalars (numpy ones by `.item()`)."""
+    if value is None or type(value) in (bool, int, float, str):
+        return value
+    if isinstance(value, Mapping):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ValueError(f"generate result {where} has key {k!r}; expected str keys")
+            out[k] = _plain(v, f"{where}[{k!r}]")
+        return out
+    if isinstance(value, list | tuple):
+        return [_plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if getattr(value, "shape", None) is not None and callable(getattr(value, "tolist", None)):
+        return _plain(value.tolist(), where)  # numpy scalars and arrays
+    for plain in (bool, int, float, str):  # subclasses, e.g. an IntEnum
+        if isinstance(value, plain):
+            return plain(value)
+    raise ValueError(
+        f"generate result {where}={value!r} must be plain data (None, bool, int, float, str, "
+        "list, dict)"
+    )
 
 
 def encode(record: Record) -> bytes:
@@ -93,17 +140,16 @@ def encode(record: Record) -> bytes:
     Returns:
         The version byte followed by the msgpack payload.
     """
-    tokens = array(_I32, record.tokens)
-    if _SWAP:
-        tokens.byteswap()
     payload = msgpack.packb(
         [
             record.text,
-            tokens.tobytes(),
+            _pack_tokens(record.tokens),
             record.finish_reason,
             record.model_version,
             record.group_id,
             float(record.created_at),
+            record.kv_bytes,
+            record.stats,
         ],
         use_bin_type=True,
     )
@@ -126,23 +172,20 @@ def decode(data: bytes) -> Record:
         head = data[:1].hex() or "empty"
         raise CodecError(f"value format byte {head} is not {FORMAT_VERSION:02x}")
     try:
-        fields = msgpack.unpackb(data[1:], use_list=False)
+        fields = msgpack.unpackb(memoryview(data)[1:])
     except Exception as e:  # msgpack raises several types for truncated/garbled input
         raise CodecError(f"value payload does not unpack: {type(e).__name__}: {e}") from None
-    if type(fields) is not tuple or len(fields) != 6:
-        raise CodecError("value payload is not a 6-field array")
-    text, packed, finish_reason, model_version, group_id, created_at = fields
-    if (
-        type(text) is not str
-        or type(packed) is not bytes
-        or len(packed) % 4
-        or type(finish_reason) is not str
-        or type(model_version) is not str
-        or not (group_id is None or type(group_id) is int)
-        or type(created_at) is not float
-    ):
+    if type(fields) is not list or len(fields) != len(_TYPES):
+        raise CodecError(f"value payload is not a {len(_TYPES)}-field array")
+    types = tuple(map(type, fields))
+    text, packed, finish_reason, model_version, group_id, created_at, kv_bytes, stats = fields
+    # Map keys are str or bytes (msgpack's strict_map_key): plain data either way.
+    if (types != _TYPES and types != _TYPES_UNGROUPED) or len(packed) % 4 or kv_bytes < 0:
         raise CodecError("value payload fields have the wrong types")
-    tokens = array(_I32, packed)
-    if _SWAP:
-        tokens.byteswap()
-    return Record(text, tuple(tokens), finish_reason, model_version, group_id, created_at)
+    tokens = struct.unpack(f"<{len(packed) // 4}i", packed)
+    return Record(text, tokens, finish_reason, model_version, group_id, created_at, kv_bytes, stats)
+
+
+def _pack_tokens(tokens) -> bytes:
+    """Little-endian int32s; struct.error when one is out of range."""
+    return struct.pack(f"<{len(tokens)}i", *tokens)

@@ -22,6 +22,13 @@ published so every node drops that group's L1 entries.
 Lost channel: when the listener's connection breaks it resubscribes with backoff and, once
 subscribed again, re-reads the generations and flushes the whole L1, since events may have
 been missed meanwhile. Until then L1 keeps serving; `l1_ttl` caps how stale it can be.
+
+Bad content: a generation counter that is not an integer makes the model's generation
+unknown (None): the node drops the model's L1 entries and bypasses both tiers for it (a key
+needs the generation) until the counter reads well again; `invalidate_model` repairs it. A
+message that does not parse is counted and ignored. Whatever still escapes restarts the
+listener's loop (with a resubscription, hence an L1 flush); should the thread itself die,
+`Listener.revive` starts a new one (the cache calls it from requests and `stats()`).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from jkv.cache.l2 import CacheUnavailableError, RedisTier
 from jkv.cache.metrics import Metrics, RateLimitedLog, log
 
 EVENT_VERSION = 1
+_UNSEEN = object()
 
 
 def check_cluster_id(cluster_id: object) -> int:
@@ -51,31 +59,36 @@ def check_cluster_id(cluster_id: object) -> int:
     return cluster_id
 
 
-class Generations:
-    """This node's view of each model's generation counter."""
+class Generations(dict):
+    """This node's view of each model's generation counter: `gens[model]` is the generation,
+    or None while Redis holds an unreadable counter for the model (unknown).
+
+    A dict, so the lookup every request makes is one C call; the first sight of a model reads
+    Redis (`__missing__`; 0, not remembered, while Redis is unavailable).
+    """
 
     def __init__(self, l2: RedisTier | None) -> None:
+        super().__init__()
         self._l2 = l2
-        self._gens: dict[str, int] = {}
         self._epoch = 0  # bumped by every event, so a refresh can tell it raced one
 
-    def current(self, model: str) -> int:
-        """The model's generation; the first sight of a model reads Redis (0 if unavailable)."""
-        gen = self._gens.get(model)
-        if gen is not None:
-            return gen
+    def __missing__(self, model: str) -> int | None:
         if self._l2 is None:
-            return self._gens.setdefault(model, 0)
+            return self.setdefault(model, 0)
         values = self._l2.generations([K.generation_key(model)])
         if values is None:
             return 0  # not remembered: the next lookup asks again
-        return self._gens.setdefault(model, values[0])
+        return self.setdefault(model, values[0])
+
+    def current(self, model: str) -> int | None:
+        """`self[model]`, spelled as a method for readers."""
+        return self[model]
 
     def adopt(self, model: str, gen: int) -> None:
         """Takes the generation an event carries. Events arrive in publish order, and a lower
         number than ours means Redis was reset, so the event wins either way."""
         self._epoch += 1
-        self._gens[model] = gen
+        self[model] = gen
 
     def refresh(self) -> list[str]:
         """Re-reads every known counter from Redis (the truth, even if lower than ours).
@@ -83,9 +96,9 @@ class Generations:
         A round during which an event arrived is discarded: its MGET may predate the event.
 
         Returns:
-            The models whose generation changed.
+            The models whose generation changed (to or from unknown included).
         """
-        models = list(self._gens)
+        models = list(self)
         if self._l2 is None or not models:
             return []
         epoch = self._epoch
@@ -93,21 +106,21 @@ class Generations:
         if values is None or epoch != self._epoch:
             return []
         fresh = dict(zip(models, values, strict=True))
-        changed = [m for m, g in fresh.items() if self._gens.get(m) != g]
+        changed = [m for m, g in fresh.items() if self.get(m, _UNSEEN) != g]
         for m in changed:
-            self._gens[m] = fresh[m]
+            self[m] = fresh[m]
         return changed
 
     def bump_local(self, model: str) -> int:
         """L1-only mode: a process-local counter stands in for Redis INCR."""
-        gen = self._gens.get(model, 0) + 1
-        self._gens[model] = gen
+        gen = (self.get(model) or 0) + 1
+        self[model] = gen
         return gen
 
     def forget(self) -> None:
         """Drops every remembered generation (they are re-read on next use)."""
         self._epoch += 1
-        self._gens.clear()
+        self.clear()
 
 
 class CleanupJob:
@@ -194,7 +207,12 @@ class Invalidator:
         if self._l2 is None:
             return CleanupJob(model, self._gens.bump_local(model), None)
         l2, batch = self._l2, self._config.cleanup_batch
-        gen = l2.incr(K.generation_key(model))
+        # A counter INCR cannot count is replaced by the time in ms: above any generation
+        # an INCR-ed counter reaches, so every older key is below it and gets cleaned.
+        gen, repaired = l2.incr_generation(K.generation_key(model), time.time_ns() // 10**6)
+        if repaired:
+            self._metrics.inc("generation_repairs")
+            log.warning("jkv.cache repaired the generation counter of %s (now %d)", model, gen)
         self._gens.adopt(model, gen)
         self._l1.drop_model(model)  # again: a lookup may have refilled it before adopt
         l2.publish(self._config.channel, self._event("model", model, gen))
@@ -231,12 +249,16 @@ class Invalidator:
         self._metrics.inc("invalidations_group")
         if self._l2 is None:
             return 0
-        gen = self._l2.read_int(K.generation_key(model))
-        removed = self._l2.drain_set(
-            K.group_key(model, gen, cluster_id), self._config.cleanup_batch
-        )
+        gen = self._l2.read_generation(K.generation_key(model))
+        if gen is None:  # the current generation is unknown: drain the group's set in all
+            sets = self._l2.scan_keys(
+                K.group_pattern(model, cluster_id), self._config.cleanup_batch
+            )
+        else:
+            sets = [K.group_key(model, gen, cluster_id)]
+        removed = sum(self._l2.drain_set(key, self._config.cleanup_batch) for key in sets)
         self._l1.drop_group(model, cluster_id)
-        self._l2.publish(self._config.channel, self._event("group", model, gen, cluster_id))
+        self._l2.publish(self._config.channel, self._event("group", model, gen or 0, cluster_id))
         self._metrics.inc("l2_keys_unlinked", removed)
         return removed
 
@@ -248,15 +270,21 @@ class Invalidator:
         return json.dumps(event, separators=(",", ":"))
 
     def handle(self, data: bytes | str) -> None:
-        """Applies one received event to this node (its own events are harmless repeats)."""
+        """Applies one received event to this node (its own events are harmless repeats).
+
+        Anyone may publish on the channel: a message that is not a well-formed event (any
+        exception while reading it, RecursionError from deep JSON included) is ignored.
+        """
         try:
             event = json.loads(data)
             op, model = event["op"], K.check_model_name(event["model"])
-            gen = int(event["gen"])
+            gen = event["gen"]
             if event.get("v") != EVENT_VERSION or op not in ("model", "group"):
-                raise ValueError(f"unknown event {event!r}")
+                raise ValueError(f"unknown event {event!r:.200}")
+            if type(gen) is not int or gen < 0:
+                raise ValueError(f"gen={gen!r:.40} must be an integer >= 0")
             group = check_cluster_id(event["group"]) if op == "group" else None
-        except (ValueError, KeyError, TypeError) as e:
+        except Exception as e:
             self._metrics.inc("events_ignored")
             log.warning("jkv.cache ignored invalidation event %r: %s", data[:200], e)
             return
@@ -295,6 +323,10 @@ class Listener:
         config: channel name, refresh interval.
         metrics: counts subscriptions and errors.
         errlog: rate-limited error log.
+
+    Attributes:
+        connected: subscribed now.
+        restarts: threads started after one died (`revive`).
     """
 
     def __init__(
@@ -311,14 +343,44 @@ class Listener:
         self._metrics = metrics
         self._errlog = errlog
         self._stop = threading.Event()
+        self._revive_lock = threading.Lock()
         self._pubsub = None
+        self._thread = self._new_thread()
         self.connected = False
-        self._thread = threading.Thread(target=self._run, name="jkv-cache-listener", daemon=True)
+        self.restarts = 0
+
+    def _new_thread(self) -> threading.Thread:
+        return threading.Thread(target=self._run, name="jkv-cache-listener", daemon=True)
 
     def start(self) -> None:
         """Subscribes once synchronously (bounded by the connect timeout), then runs."""
         self._subscribe()
         self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the thread runs (the health flag of `ResponseCache.stats()`)."""
+        return self._thread.is_alive()
+
+    def revive(self) -> bool:
+        """Starts a new thread if the running one died (not if it was stopped).
+
+        Events may have been missed while no thread listened, so the L1 is flushed and the
+        generations forgotten at once; the new thread resubscribes.
+
+        Returns:
+            Whether a new thread was started.
+        """
+        with self._revive_lock:  # two requests may notice the death at once
+            if self._stop.is_set() or self._thread.is_alive():
+                return False
+            self._drop_subscription()
+            self._inv.on_subscribed()
+            self.restarts += 1
+            self._errlog.warning("listener", "the listener thread had died: started a new one")
+            self._thread = self._new_thread()
+            self._thread.start()
+            return True
 
     def _subscribe(self) -> bool:
         pubsub = self._l2.pubsub()
@@ -335,7 +397,25 @@ class Listener:
         self._metrics.inc("pubsub_subscribes")
         return True
 
+    def _drop_subscription(self) -> None:
+        self.connected = False
+        if self._pubsub is not None:
+            _close_quietly(self._pubsub)
+            self._pubsub = None
+
     def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._serve()
+            except Exception as e:  # a bug or a surprise must not end invalidation
+                self._metrics.error("listener")
+                self._errlog.warning("listener", f"loop failed: {type(e).__name__}: {e}")
+                self._drop_subscription()  # resubscribing flushes L1: events may be lost
+                self._stop.wait(0.05)
+        self._drop_subscription()
+
+    def _serve(self) -> None:
+        """Receives events and ticks until stopped; raises on anything unexpected."""
         pause = 0.05
         next_tick = time.monotonic() + self._config.generation_refresh
         while not self._stop.is_set():
@@ -349,20 +429,15 @@ class Listener:
                 try:
                     message = self._pubsub.get_message(timeout=0.1)
                 except Exception as e:  # a lost connection: resubscribe and flush
-                    self.connected = False
                     self._metrics.error("pubsub")
                     self._errlog.warning("pubsub", f"connection lost: {type(e).__name__}: {e}")
-                    _close_quietly(self._pubsub)
-                    self._pubsub = None
+                    self._drop_subscription()
                     continue
                 if message is not None and message.get("type") == "message":
                     self._inv.handle(message["data"])
             if time.monotonic() >= next_tick:
                 self._inv.tick()
                 next_tick = time.monotonic() + self._config.generation_refresh
-        if self._pubsub is not None:
-            _close_quietly(self._pubsub)
-        self.connected = False
 
     def stop(self, timeout: float = 2.0) -> None:
         """Stops the thread (it notices within about 0.1 s)."""

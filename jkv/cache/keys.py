@@ -32,9 +32,14 @@ Settings rules (the caller passes fully resolved settings, as `jkv.generate` doe
 - Allowed values: None, bool, int, finite float, str, list/tuple of these, dict with str keys
   of these; numpy scalars are taken by `.item()`. Anything else raises ValueError.
 
+Settings are best passed as a `Settings` object, built once per distinct settings: it is
+validated and canonically encoded at construction, so a lookup only hashes the prompt. A plain
+mapping works too; it is packed with msgpack to find its `Settings` in a memo.
+
 Model names: 1-128 characters from `A-Z a-z 0-9 . _ - / + @`, starting with a letter or a
 digit. Excluded are `{`, `}` (hash tag), `:` (field separator), glob characters `* ? [ ] \\`
-(the invalidation SCAN uses the name in a MATCH pattern) and whitespace.
+(the invalidation SCAN uses the name in a MATCH pattern) and whitespace. `derive_model_name`
+turns any text (a folder's name) into a valid name.
 """
 
 from __future__ import annotations
@@ -46,7 +51,6 @@ import re
 import sys
 import threading
 from array import array
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -54,11 +58,14 @@ import msgpack
 
 KEY_SCHEMA = 1
 PREFIX = "llm:response:"
+MAX_NAME = 128
 _MODEL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/+@-]{0,127}")
+_NAME_BREAKERS = re.compile(r"[^A-Za-z0-9._/+@-]+")
+_NAME_EDGES = re.compile(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$")
 _NAMESPACE_RE = re.compile(r"[^\x00-\x1f]{1,256}")
 _JSON = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 _SCALARS = (type(None), bool, int, str)
-_HEADER_MEMO_MAX = 4096
+_MEMO_MAX = 4096
 
 Prompt = str | Sequence[int]
 
@@ -88,11 +95,30 @@ def check_model_name(model_name: Any) -> str:
         ValueError: the name is not a str of allowed characters (see the module docstring).
     """
     if not isinstance(model_name, str) or not _MODEL_NAME_RE.fullmatch(model_name):
+        hint = f", e.g. {derive_model_name(model_name)!r}" if isinstance(model_name, str) else ""
         raise ValueError(
             f"model_name={model_name!r} must be 1-128 characters from A-Z a-z 0-9 . _ - / + @, "
-            "starting with a letter or digit (no braces, colons, glob characters or spaces)"
+            "starting with a letter or digit (no braces, colons, glob characters or spaces)" + hint
         )
     return model_name
+
+
+def derive_model_name(text: str) -> str:
+    """A valid model name made from any text, e.g. a folder's name ("demo copy" -> "demo-copy").
+
+    Every run of characters a name may not hold becomes one "-"; the result starts and ends with
+    a letter or digit and is cut to 128 characters; "model" when nothing is left. Two texts may
+    give one name: that only shares an invalidation scope, since keys also hash the model's
+    identity.
+
+    Args:
+        text: any str.
+
+    Returns:
+        A name `check_model_name` accepts.
+    """
+    name = _NAME_EDGES.sub("", _NAME_BREAKERS.sub("-", text))
+    return _NAME_EDGES.sub("", name[:MAX_NAME]) or "model"
 
 
 def check_namespace(namespace: Any) -> str:
@@ -164,8 +190,8 @@ def canonical_header(namespace: str, model_version: str, settings: Mapping[str, 
 
     Args:
         namespace: the tenant.
-        model_version: the weights fingerprint.
-        settings: every setting that changes the output.
+        model_version: the model's identity (weights, tokenizer, config).
+        settings: every setting that changes the output (a mapping or a `Settings`).
 
     Returns:
         Canonical JSON bytes.
@@ -173,48 +199,101 @@ def canonical_header(namespace: str, model_version: str, settings: Mapping[str, 
     Raises:
         ValueError: a setting of an unsupported type, a non-str key, or NaN/inf.
     """
-    if not isinstance(settings, Mapping):
-        raise ValueError(f"settings={settings!r} must be a mapping of str to values")
-    doc = ["jkv-key", KEY_SCHEMA, namespace, model_version, _canonical(settings, "settings")]
-    return _JSON.encode(doc).encode("utf-8")
+    canonical = settings.canonical if type(settings) is Settings else Settings(settings).canonical
+    head = _JSON.encode(["jkv-key", KEY_SCHEMA, namespace, model_version])
+    return head[:-1].encode("utf-8") + b"," + canonical + b"]"
+
+
+class Settings(Mapping):
+    """Resolved generation settings, validated and canonically encoded once.
+
+    Build one per distinct settings and reuse it: lookups then skip the validation and the
+    encoding. Read-only; equal to the mapping it was made from.
+
+    Args:
+        settings: a mapping of str to None, bool, int, finite float, str, list/tuple or dict.
+
+    Attributes:
+        canonical: the settings' canonical JSON (sorted keys, no spaces, UTF-8).
+        cacheable: `is_cacheable(settings)`.
+
+    Raises:
+        ValueError: not a mapping, a non-str key, NaN/inf, or a value of another type.
+    """
+
+    __slots__ = ("_items", "canonical", "cacheable")
+
+    def __init__(self, settings: Mapping[str, Any]) -> None:
+        if not isinstance(settings, Mapping):
+            raise ValueError(f"settings={settings!r} must be a mapping of str to values")
+        self._items = dict(settings)
+        self.canonical = _JSON.encode(_canonical(self._items, "settings")).encode("utf-8")
+        self.cacheable = is_cacheable(self._items)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._items[key]
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __repr__(self) -> str:
+        return f"Settings({self._items!r})"
 
 
 class KeyHasher:
-    """Computes request digests, memoising the pure function (prompt, settings) -> digest.
+    """Computes request digests: one SHA-256 pass over the prompt.
 
-    Memo keys are the msgpack bytes of `(namespace, model_version, settings)` in the caller's
-    order, plus the raw prompt str. msgpack keeps int, float, bool and str apart, so equal
-    memo keys mean equal inputs (a different dict order only costs a memo miss); the digest
-    itself always comes from the canonical encoding. A repeated prompt then skips
-    normalisation and SHA-256, which keeps an L1 hit near a dict lookup. The memo is FIFO
-    (reads take no lock), bounded by entries and by prompt characters; token-id prompts are
-    not memoised.
-
-    Args:
-        max_entries: most memoised digests.
-        max_chars: most prompt characters held by the memo (the prompts stay referenced).
+    Everything but the prompt (namespace, model version, settings) is hashed once into a base
+    state that each digest copies; bases are memoised by `(namespace, model_version,
+    settings.canonical)`. A plain-mapping `settings` is first turned into a `Settings`,
+    memoised by its msgpack bytes (msgpack keeps int, float, bool and str apart, so equal bytes
+    mean equal settings; another dict order only costs a memo miss). Both memos are bounded
+    and cleared when full (rare: it takes thousands of distinct settings).
     """
 
-    def __init__(self, max_entries: int = 4096, max_chars: int = 8 << 20) -> None:
-        self._bases: dict[bytes, Any] = {}
-        self._digests: OrderedDict[tuple[bytes, str], str] = OrderedDict()
-        self._lock = threading.Lock()
+    def __init__(self) -> None:
+        self._bases: dict[tuple[str, str, bytes], tuple[Any, Any]] = {}
+        self._settings: dict[bytes, Settings] = {}
         self._local = threading.local()
-        self._max_entries = max_entries
-        self._max_chars = max_chars
-        self._chars = 0
 
-    def _base(self, settings_id: bytes | None, namespace, model_version, settings):
-        base = self._bases.get(settings_id) if settings_id is not None else None
-        if base is None:
-            header = canonical_header(namespace, model_version, settings)
-            base = hashlib.sha256(len(header).to_bytes(8, "little"))
-            base.update(header)
-            if settings_id is not None:
-                if len(self._bases) >= _HEADER_MEMO_MAX:
-                    self._bases.clear()  # rare: many distinct settings; rebuilding is cheap
-                self._bases[settings_id] = base
-        return base
+    def settings(self, settings: Mapping[str, Any]) -> Settings:
+        """The `Settings` of a mapping (memoised).
+
+        Raises:
+            ValueError: as `Settings`.
+        """
+        if type(settings) is Settings:
+            return settings
+        packer = getattr(self._local, "packer", None)
+        if packer is None:  # a Packer per thread: reusing one saves a third of packb's cost
+            packer = self._local.packer = msgpack.Packer(use_bin_type=True)
+        try:
+            packed = packer.pack(settings)
+        except (TypeError, ValueError, OverflowError):
+            return Settings(settings)  # exotic values: validated (and refused) there
+        found = self._settings.get(packed)
+        if found is None:
+            found = Settings(settings)
+            if len(self._settings) >= _MEMO_MAX:
+                self._settings.clear()
+            self._settings[packed] = found
+        return found
+
+    def _base(self, namespace: str, model_version: str, settings: Settings) -> tuple[Any, Any]:
+        """The hash states of the header, followed by the text / token-ids tag (memoised)."""
+        header = canonical_header(namespace, model_version, settings)
+        base = hashlib.sha256(len(header).to_bytes(8, "little"))
+        base.update(header)
+        text, tokens = base.copy(), base
+        text.update(b"s")
+        tokens.update(b"t")
+        if len(self._bases) >= _MEMO_MAX:
+            self._bases.clear()
+        self._bases[(namespace, model_version, settings.canonical)] = (text, tokens)
+        return text, tokens
 
     def digest(
         self, namespace: str, model_version: str, prompt: Prompt, settings: Mapping[str, Any]
@@ -224,40 +303,18 @@ class KeyHasher:
         Raises:
             ValueError: bad settings, or a prompt that is neither str nor a sequence of ints.
         """
-        packer = getattr(self._local, "packer", None)
-        if packer is None:  # a Packer per thread: reusing one saves a third of packb's cost
-            packer = self._local.packer = msgpack.Packer(use_bin_type=True)
-        try:
-            settings_id = packer.pack((namespace, model_version, settings))
-        except (TypeError, ValueError, OverflowError):
-            settings_id = None  # exotic values: always take the canonical path
-        memo = None
-        if settings_id is not None and type(prompt) is str:
-            memo = (settings_id, prompt)
-            found = self._digests.get(memo)  # one C call: safe without the lock
-            if found is not None:
-                return found
-        h = self._base(settings_id, namespace, model_version, settings).copy()
+        if type(settings) is not Settings:
+            settings = self.settings(settings)
+        bases = self._bases.get((namespace, model_version, settings.canonical))
+        if bases is None:
+            bases = self._base(namespace, model_version, settings)
         if isinstance(prompt, str):
-            h.update(b"s")
+            h = bases[0].copy()
             h.update(" ".join(prompt.split()).encode("utf-8", "surrogatepass"))
         else:
-            h.update(b"t")
+            h = bases[1].copy()
             h.update(_token_bytes(prompt))
-        found = h.hexdigest()
-        if memo is not None and len(prompt) <= self._max_chars:
-            self._remember(memo, found)
-        return found
-
-    def _remember(self, memo: tuple[bytes, str], digest: str) -> None:
-        with self._lock:
-            if memo in self._digests:
-                return
-            self._digests[memo] = digest
-            self._chars += len(memo[1])
-            while len(self._digests) > self._max_entries or self._chars > self._max_chars:
-                (_, old_prompt), _ = self._digests.popitem(last=False)
-                self._chars -= len(old_prompt)
+        return h.hexdigest()
 
 
 def _token_bytes(tokens: Any) -> bytes:
@@ -282,7 +339,7 @@ def request_hash(
 
     Args:
         namespace: the tenant.
-        model_version: the weights fingerprint.
+        model_version: the model's identity (jkv passes `params.identity`).
         prompt: a str (whitespace-normalised) or a sequence of token ids.
         settings: every setting that changes the output.
 
@@ -295,9 +352,12 @@ def request_hash(
     return _DEFAULT_HASHER.digest(namespace, model_version, prompt, settings)
 
 
+RESPONSE_KEY = PREFIX + "{{{}}}:{}:{}"  # .format(model_name, generation, digest)
+
+
 def response_key(model_name: str, generation: int, digest: str) -> str:
     """`llm:response:{model_name}:generation:digest` (model name already validated)."""
-    return f"{PREFIX}{{{model_name}}}:{generation}:{digest}"
+    return RESPONSE_KEY.format(model_name, generation, digest)
 
 
 def response_pattern(model_name: str) -> str:
@@ -310,9 +370,10 @@ def group_key(model_name: str, generation: int, group_id: int) -> str:
     return f"llm:group:{{{model_name}}}:{generation}:{group_id}"
 
 
-def group_pattern(model_name: str) -> str:
-    """SCAN MATCH pattern for every group set of one model."""
-    return f"llm:group:{{{model_name}}}:*"
+def group_pattern(model_name: str, group_id: int | None = None) -> str:
+    """SCAN MATCH pattern for every group set of one model (of one group id, if given)."""
+    pattern = f"llm:group:{{{model_name}}}:*"
+    return pattern if group_id is None else f"{pattern}:{group_id}"
 
 
 def generation_key(model_name: str) -> str:
@@ -327,5 +388,20 @@ def lease_key(response: str) -> str:
 
 def generation_of(key: str, pattern_prefix_len: int) -> int | None:
     """Parses the generation field of a response or group key, None when malformed."""
-    field = key[pattern_prefix_len:].split(":", 1)[0]
-    return int(field) if field.isdigit() else None
+    return parse_generation(key[pattern_prefix_len:].split(":", 1)[0])
+
+
+def parse_generation(value: str | bytes | None) -> int | None:
+    """A generation counter's value: absent is 0; None when it is not a decimal int64 >= 0.
+
+    Anyone with access to Redis can write any bytes there, so nothing else is trusted (`int()`
+    alone would take "+1", " 1", "1_000" or Unicode digits).
+    """
+    if value is None:
+        return 0
+    if isinstance(value, str):
+        value = value.encode("utf-8", "replace")
+    if not value.isdigit() or len(value) > 19:  # bytes.isdigit: ASCII 0-9 only
+        return None
+    n = int(value)
+    return n if n < 2**63 else None

@@ -61,17 +61,25 @@ class L1Cache:
         self.flushes = 0
 
     def get(self, key: str) -> Record | None:
-        """The live record under `key` (and marks it recently used), else None."""
-        with self._lock:
-            entry = self._data.get(key)
-            if entry is None:
-                return None
-            if entry.expires <= self._clock():
-                self._remove(key, entry)
-                self.expirations += 1
-                return None
+        """The live record under `key` (and marks it recently used), else None.
+
+        A hit takes no lock: `OrderedDict.get` and `move_to_end` are single C calls, atomic
+        under the GIL, and a key that a writer evicted in between is simply not moved.
+        """
+        entry = self._data.get(key)
+        if entry is None:
+            return None
+        if entry.expires <= self._clock():
+            with self._lock:
+                if self._data.get(key) is entry:
+                    self._remove(key, entry)
+                    self.expirations += 1
+            return None
+        try:
             self._data.move_to_end(key)
-            return entry.record
+        except KeyError:
+            pass
+        return entry.record
 
     def put(self, key: str, record: Record, nbytes: int, model: str) -> bool:
         """Stores a record, evicting least recently used entries to stay within bounds.
@@ -94,7 +102,10 @@ class L1Cache:
                 self._remove(key, old)
             self._data[key] = entry
             self._bytes += nbytes
-            self._by_model.setdefault(model, set()).add(key)
+            keys = self._by_model.get(model)
+            if keys is None:
+                keys = self._by_model[model] = set()
+            keys.add(key)
             if entry.group is not None:
                 self._by_group.setdefault((model, entry.group), set()).add(key)
             while len(self._data) > self._max_entries or self._bytes > self._max_bytes:

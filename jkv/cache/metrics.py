@@ -10,7 +10,7 @@ import bisect
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from typing import Any
 
 LATENCY_BUCKETS_S = (
@@ -38,6 +38,7 @@ LATENCY_BUCKETS_S = (
 )
 
 log = logging.getLogger("jkv.cache")
+_PENDING_MAX = 4096  # events a Metrics holds before folding them in
 
 
 class Histogram:
@@ -62,26 +63,39 @@ class Histogram:
 
 
 class Metrics:
-    """Thread-safe counters and histograms of one cache instance."""
+    """Thread-safe counters and histograms of one cache instance.
+
+    `inc_observe`, called on every hit, takes no lock: it appends the event to a deque (one
+    atomic C call) and the events are folded into the counters under the lock when read, or
+    every `_PENDING_MAX` events. On an L1 hit the lock and the bucket search cost as much as
+    the L1 lookup itself.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.counters: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
         self.histograms = {"get_seconds": Histogram(), "generate_seconds": Histogram()}
+        self._pending: deque[tuple[str, str, int]] = deque()
 
     def inc(self, name: str, n: int = 1) -> None:
         with self._lock:
             self.counters[name] += n
 
     def inc_observe(self, name: str, histogram: str, ns: int) -> None:
-        """Counts one event and records its latency under a single lock acquisition."""
-        h = self.histograms[histogram]
-        slot = bisect.bisect_left(h._bounds_ns, ns)  # outside the lock: reads constants only
-        with self._lock:
-            self.counters[name] += 1
-            h._counts[slot] += 1
-            h._sum_ns += ns
+        """Counts one event and records its latency (folded in later, see the class)."""
+        pending = self._pending
+        pending.append((name, histogram, ns))
+        if len(pending) >= _PENDING_MAX:
+            self._fold()
+
+    def _fold(self) -> None:
+        with self._lock:  # the only consumer: other threads keep appending meanwhile
+            pending = self._pending
+            for _ in range(len(pending)):
+                name, histogram, ns = pending.popleft()
+                self.counters[name] += 1
+                self.histograms[histogram].observe_ns(ns)
 
     def observe(self, histogram: str, ns: int) -> None:
         with self._lock:
@@ -92,6 +106,7 @@ class Metrics:
             self.errors[kind] += 1
 
     def snapshot(self) -> dict:
+        self._fold()
         with self._lock:
             return {
                 "counters": dict(self.counters),
@@ -99,10 +114,16 @@ class Metrics:
                 "latency": {name: h.snapshot() for name, h in self.histograms.items()},
             }
 
-    def report(
-        self, *, node_id: str, l1: Any, tiers: str, subscribed: bool, redis_available: bool
-    ) -> dict:
-        """The `ResponseCache.stats()` dict: counters, errors, L1 occupancy, histograms."""
+    def report(self, *, node_id: str, l1: Any, tiers: str, redis: dict) -> dict:
+        """The `ResponseCache.stats()` dict: counters, errors, L1 occupancy, histograms.
+
+        Args:
+            node_id: the cache's node.
+            l1: the L1 cache (occupancy).
+            tiers: "l1" or "l1+l2".
+            redis: health flags of the Redis side (subscribed, available, listener_alive,
+                listener_restarts), reported under "redis" beside the counters kept here.
+        """
         snap = self.snapshot()
         c = snap["counters"]
         return {
@@ -113,8 +134,10 @@ class Metrics:
             "generations": c.get("generations", 0),
             "coalesced": c.get("coalesced", 0),
             "uncacheable": c.get("uncacheable", 0),
+            "bypassed": c.get("bypassed", 0),
             "not_cached_size": c.get("not_cached_size", 0),
             "decode_failures": c.get("decode_failures", 0),
+            "bad_generation_values": c.get("bad_generation_values", 0),
             "lease_waits": c.get("lease_waits", 0),
             "errors": snap["errors"],
             "l1": {
@@ -131,11 +154,11 @@ class Metrics:
                 "events_ignored": c.get("events_ignored", 0),
                 "generation_changes_seen": c.get("generation_changes_seen", 0),
                 "l2_keys_unlinked": c.get("l2_keys_unlinked", 0),
+                "generation_repairs": c.get("generation_repairs", 0),
             },
             "redis": {
-                "subscribed": subscribed,
+                **redis,
                 "subscribes": c.get("pubsub_subscribes", 0),
-                "available": redis_available,
                 "skipped": c.get("l2_skipped", 0),
             },
             "latency": snap["latency"],

@@ -5,10 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from jkv.checkpoints.hf import load_hf
-from jkv.checkpoints.orbax import is_saved, load_saved, save
+from jkv.checkpoints.names import choose_name
+from jkv.checkpoints.orbax import is_saved, load_saved, read_meta, save, stored_name
 from jkv.params import Params
 
-__all__ = ["load", "load_hf", "load_saved", "save", "convert"]
+__all__ = ["load", "load_hf", "load_saved", "save", "convert", "default_name"]
+DEMO_NAME = "jkv-demo"
 
 
 def load(
@@ -27,19 +29,38 @@ def load(
     """
     if str(path) == "demo":
         return load_demo(name=name, dtype=dtype, mesh=mesh)
+    folder = _checkpoint_folder(path)
+    if is_saved(folder):
+        return load_saved(folder, name=name, dtype=dtype, mesh=mesh)
+    return load_hf(folder, dtype=dtype, name=name, mesh=mesh, progress=progress)
+
+
+def default_name(path: str | Path) -> str:
+    """The name `load(path)` gives the model without `name=` (reads no weights): what
+    `jkv info` shows and what `jkv cache invalidate-model` takes.
+
+    Raises:
+      ValueError: as `load`, when the path holds no checkpoint.
+    """
+    if str(path) == "demo":
+        return DEMO_NAME
+    folder = _checkpoint_folder(path).resolve()
+    source = stored_name(folder, read_meta(folder)) if is_saved(folder) else folder.name
+    return choose_name(None, source)
+
+
+def _checkpoint_folder(path: str | Path) -> Path:
     folder = Path(path)
     if not folder.exists():
         raise ValueError(f"path={str(path)!r} does not exist; expected a checkpoint folder")
     if not folder.is_dir():
         raise ValueError(f"path={str(path)!r} is a file; expected a checkpoint folder")
-    if is_saved(folder):
-        return load_saved(folder, name=name, dtype=dtype, mesh=mesh)
-    if (folder / "config.json").is_file():
-        return load_hf(folder, dtype=dtype, name=name, mesh=mesh, progress=progress)
-    raise ValueError(
-        f"path={str(path)!r} holds neither a Hugging Face checkpoint (config.json + *.safetensors) "
-        f"nor a jkv checkpoint (jkv.json)"
-    )
+    if not is_saved(folder) and not (folder / "config.json").is_file():
+        raise ValueError(
+            f"path={str(path)!r} holds neither a Hugging Face checkpoint (config.json + "
+            "*.safetensors) nor a jkv checkpoint (jkv.json)"
+        )
+    return folder
 
 
 DEMO_DIR = Path(__file__).resolve().parents[2] / "models" / "demo"
@@ -52,7 +73,7 @@ def load_demo(*, name=None, dtype=None, mesh=None) -> Params:
         raise ValueError(
             f"the demo model is not bundled at {DEMO_DIR}; `make train-demo` trains it"
         )
-    return load_hf(DEMO_DIR, dtype=dtype, name=name or "jkv-demo", mesh=mesh, progress=False)
+    return load_hf(DEMO_DIR, dtype=dtype, name=name or DEMO_NAME, mesh=mesh, progress=False)
 
 
 def convert(
@@ -64,7 +85,8 @@ def convert(
     progress: bool = True,
     overwrite: bool = False,
 ) -> Path:
-    """Converts a Hugging Face checkpoint folder into a jkv folder (orbax weights)."""
+    """Converts a Hugging Face checkpoint folder into a jkv folder (orbax weights); the model
+    keeps the source folder's name (`default_name(hf_folder)`) unless `name` is given."""
     out = Path(out_folder)
     if out.exists() and any(out.iterdir()) and not overwrite:  # fail before the slow part
         raise ValueError(f"{out}: exists and is not empty; pass overwrite=True to replace it")

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jkv.checkpoints.finite import check_tensor
+from jkv.checkpoints.names import choose_name
 from jkv.params import Params, combine_digests, tensor_digest
 from jkv.tokenizer import Tokenizer, read_special_ids
 from models.config import ModelConfig
@@ -227,12 +229,14 @@ def load_hf(
       folder: holds `config.json`, `*.safetensors` (with `model.safetensors.index.json` when
         sharded), `tokenizer.json` (optional) and `generation_config.json` (optional).
       dtype: "float32" or "bfloat16"; default: the checkpoint's declared dtype.
-      name: the model's name (cache keys); default: the folder's name.
+      name: the model's name (cache keys); default: made from the folder's name
+        (`jkv.cache.keys.derive_model_name`: "demo copy" -> "demo-copy").
       mesh: a `jax.sharding.Mesh` to shard the weights over (see `jkv.sharding`).
       progress: show a progress bar.
 
     Raises:
-      ValueError: naming the file or tensor that is missing, misshapen, unexpected or corrupt.
+      ValueError: naming the file or tensor that is missing, misshapen, unexpected or corrupt
+        (NaN or Inf values included), or a `name` keys cannot hold.
     """
     from safetensors import safe_open
     from tqdm import tqdm
@@ -240,6 +244,7 @@ def load_hf(
     from jkv import sharding
 
     folder = Path(folder)
+    name = choose_name(name, folder.resolve().name)
     config = ModelConfig.from_hf_file(folder / "config.json", dtype=dtype)
     bos, eos = read_special_ids(folder)
     config = config.replace(
@@ -287,6 +292,7 @@ def load_hf(
                     )
                 value = np.ascontiguousarray(transform(raw, config)).astype(target)
                 del raw
+                check_tensor(value, str(file), tensor_name)
                 digests[path] = tensor_digest(value)
                 if mesh is not None:
                     placed = jax.device_put(
@@ -316,7 +322,7 @@ def load_hf(
         weights=weights,
         config=config,
         tokenizer=tokenizer,
-        name=name or folder.resolve().name,
-        version=combine_digests(digests),
+        name=name,
         mesh=mesh,
+        version=combine_digests(digests),  # hashed while streaming: seeds the memo
     )

@@ -4,6 +4,9 @@ Layout of a folder written by `save` (and by `jkv convert`):
   jkv.json        {"format": 1, "name", "version", "config": ModelConfig fields}
   weights/        orbax checkpoint of the weights tree
   tokenizer.json  when the params carry a tokenizer
+
+The stored "version" is informative only: a load fingerprints the weights it restored (on
+first use), since the files may have changed since they were saved.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from pathlib import Path
 
 import jax
 
+from jkv.checkpoints.finite import check_tree
+from jkv.checkpoints.names import choose_name
 from jkv.params import Params
 from jkv.tokenizer import Tokenizer
 from models.config import ModelConfig, RopeScaling
@@ -28,7 +33,7 @@ def _config_to_json(config: ModelConfig) -> dict:
     return data
 
 
-def _config_from_json(data: dict, source: str) -> ModelConfig:
+def config_from_json(data: dict, source: str) -> ModelConfig:
     data = dict(data)
     if data.get("rope_scaling"):
         data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
@@ -77,7 +82,8 @@ def load_saved(
     """Loads a folder written by `save`.
 
     Raises:
-      ValueError: unreadable metadata, a newer format, or weights that do not fit the config.
+      ValueError: unreadable metadata, a newer format, weights that do not fit the config or
+        hold NaN/Inf, or a `name` keys cannot hold.
     """
     import orbax.checkpoint as ocp
 
@@ -85,14 +91,9 @@ def load_saved(
     from models.llama import param_shapes
 
     folder = Path(folder).resolve()
-    marker = folder / MARKER
-    try:
-        meta = json.loads(marker.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{marker}: cannot read jkv metadata ({e})") from None
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{marker}: format={meta.get('format')!r}; this jkv reads format {FORMAT}")
-    config = _config_from_json(meta["config"], str(marker))
+    meta = read_meta(folder)
+    name = choose_name(name, stored_name(folder, meta))
+    config = config_from_json(meta["config"], str(folder / MARKER))
     cast = dtype is not None and dtype != config.dtype
     if cast:
         config = config.replace(dtype=dtype)
@@ -113,6 +114,7 @@ def load_saved(
         raise ValueError(
             f"{folder / 'weights'}: cannot restore weights for this config ({e})"
         ) from None
+    check_tree(weights, str(folder / "weights"))
     tokenizer = None
     if (folder / "tokenizer.json").is_file():
         tokenizer = Tokenizer.from_file(
@@ -120,16 +122,27 @@ def load_saved(
             bos_token_id=config.bos_token_id,
             eos_token_ids=config.eos_token_ids,
         )
-    version = meta.get("version", "")
-    if cast:  # a cast changes the bytes, so it is another version
-        from jkv.params import fingerprint
+    return Params(weights=weights, config=config, tokenizer=tokenizer, name=name, mesh=mesh)
 
-        version = fingerprint(weights)
-    return Params(
-        weights=weights,
-        config=config,
-        tokenizer=tokenizer,
-        name=name or meta.get("name") or folder.name,
-        version=version,
-        mesh=mesh,
-    )
+
+def read_meta(folder: Path) -> dict:
+    """The parsed `jkv.json` of a folder written by `save`.
+
+    Raises:
+      ValueError: unreadable, or a format this jkv does not read.
+    """
+    marker = folder / MARKER
+    try:
+        meta = json.loads(marker.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{marker}: cannot read jkv metadata ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else meta
+        raise ValueError(f"{marker}: format={found!r}; this jkv reads format {FORMAT}")
+    return meta
+
+
+def stored_name(folder: Path, meta: dict) -> str:
+    """The text a saved folder's model is named from: the saved name, else the folder's."""
+    name = meta.get("name")
+    return name if isinstance(name, str) and name else folder.name

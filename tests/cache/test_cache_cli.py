@@ -92,3 +92,17 @@ def test_missing_redis_url_is_an_argparse_error():
     with pytest.raises(SystemExit) as exit_:
         _run(["cache", "invalidate-model", "demo"])
     assert exit_.value.code == 2
+
+
+def test_stats_and_invalidation_with_bad_values_in_redis(redis_url, redis_client, capsys):
+    with ResponseCache(redis_url, node_id="server") as cache:
+        cache.put("demo", "v1", "a", SETTINGS, ANSWER)
+    redis_client.set("llm:gen:{demo}", "oops")
+    redis_client.set(b"llm:response:\xff\xfe", b"x")  # not UTF-8, no model field
+    capsys.readouterr()
+    assert _run(["cache", "stats", "--redis-url", redis_url]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["models"]["demo"] == {"generation": None, "keys_by_generation": {"0": 1}}
+    assert _run(["cache", "invalidate-model", "demo", "--redis-url", redis_url]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["removed"] == 1 and int(redis_client.get("llm:gen:{demo}")) == out["generation"]

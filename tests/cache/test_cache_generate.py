@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import pre_tokenizers
 
 import jkv
+from jkv.cached import stream_cached
 from jkv.embedding import ModelEmbedder, fit_clusters
+from jkv.generate import _GENERATE_DEFAULTS, Request
+from jkv.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -77,3 +84,155 @@ def test_embedder_errors(params):
         ModelEmbedder(params, max_tokens=0)
     with pytest.raises(ValueError, match=r"2 sample prompts cannot make k=3 clusters"):
         fit_clusters(ModelEmbedder(params), ["w1", "w2"], k=3)
+
+
+# --------------------------------------------------------------------------- what a hit returns
+DOCUMENTED_STATS = {"prompt_tokens", "generated_tokens", "prefill_s", "decode_tokens_per_s"}
+DOCUMENTED_STATS |= {"kv_bytes_used", "cache"}
+
+
+def test_hits_report_the_generation_that_made_them(params, redis_url):
+    a = jkv.ResponseCache(redis_url, node_id="node-a")
+    b = jkv.ResponseCache(redis_url, node_id="node-b")
+    try:
+        made = jkv.generate(params, "w9 w8 w7", max_new_tokens=4, cache=a)
+        l1 = jkv.generate(params, "w9 w8 w7", max_new_tokens=4, cache=a)
+        l2 = jkv.generate(params, "w9 w8 w7", max_new_tokens=4, cache=b)
+    finally:
+        a.close()
+        b.close()
+    assert made.cache is None and made.stats["cache"] is None and made.kv_bytes > 0
+    for hit, level in ((l1, "l1"), (l2, "l2")):
+        assert hit.cache == level == hit.stats["cache"]
+        assert hit.kv_bytes == made.kv_bytes
+        assert DOCUMENTED_STATS <= set(hit.stats)
+        assert hit.stats["prompt_tokens"] == made.stats["prompt_tokens"]
+        assert hit.stats["kv_bytes_used"] == made.stats["kv_bytes_used"]
+
+
+def test_coalesced_callers_are_not_generations(params):
+    cache = jkv.ResponseCache()
+    barrier = threading.Barrier(16)
+    results = []
+
+    def ask():
+        barrier.wait()
+        results.append(jkv.generate(params, "w3 w1 w4 w1 w5", max_new_tokens=11, cache=cache))
+
+    threads = [threading.Thread(target=ask) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    levels = [r.cache for r in results]
+    assert levels.count(None) == 1 and "coalesced" in levels
+    assert set(levels) <= {None, "coalesced", "l1"}
+    assert cache.stats()["generations"] == 1
+    made = next(r for r in results if r.cache is None)
+    for r in results:
+        assert r.tokens == made.tokens and r.kv_bytes == made.kv_bytes
+        assert DOCUMENTED_STATS <= set(r.stats) and r.stats["cache"] == r.cache
+
+
+# --------------------------------------------------------------------------- the prompt the model sees
+class CountingTokenizer(Tokenizer):
+    """The real tokenizer, counting how often a prompt is encoded."""
+
+    encoded = 0
+
+    def encode(self, text, **kwargs):
+        CountingTokenizer.encoded += 1
+        return super().encode(text, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def spaced(params):
+    """The params with a tokenizer that splits on spaces only: a newline is part of a word (an
+    unknown one), so whitespace changes what the model reads."""
+    inner = HFTokenizer.from_str(params.tokenizer.to_str())
+    inner.pre_tokenizer = pre_tokenizers.Split(" ", behavior="removed")
+    tok = params.tokenizer
+    counting = CountingTokenizer(
+        inner, bos_token_id=tok.bos_token_id, eos_token_ids=tok.eos_token_ids
+    )
+    return params.replace(tokenizer=counting)
+
+
+def test_the_model_sees_the_prompt_exactly_and_the_key_is_normalised(spaced):
+    raw, flat = "w1\nw2 w3  w4", "w1 w2 w3 w4"
+    want = jkv.generate(spaced, raw, max_new_tokens=6)
+    assert want.tokens != jkv.generate(spaced, flat, max_new_tokens=6).tokens  # precondition
+    cache = jkv.ResponseCache()
+    got = jkv.generate(spaced, raw, max_new_tokens=6, cache=cache)
+    assert got.cache is None and got.tokens == want.tokens
+    hit = jkv.generate(spaced, flat, max_new_tokens=6, cache=cache)
+    assert hit.cache == "l1" and hit.tokens == want.tokens
+
+
+def test_a_hit_does_not_tokenise(spaced):
+    cache = jkv.ResponseCache()
+    jkv.generate(spaced, "w5 w6", max_new_tokens=3, cache=cache)
+    before = CountingTokenizer.encoded
+    assert jkv.generate(spaced, " w5  w6", max_new_tokens=3, cache=cache).cache == "l1"
+    batch = jkv.generate(spaced, ["w5 w6", "w5\tw6"], max_new_tokens=3, cache=cache)
+    assert [r.cache for r in batch] == ["l1", "l1"]
+    assert CountingTokenizer.encoded == before
+
+
+def test_batch_rows_keep_their_text_and_equal_keys_generate_once(spaced):
+    raw = "w7\nw8 w9"
+    cache = jkv.ResponseCache()
+    out = jkv.generate(spaced, [raw, "w2 w3", " w2 w3"], max_new_tokens=5, cache=cache)
+    assert [r.cache for r in out] == [None, None, "coalesced"]
+    assert out[0].tokens == jkv.generate(spaced, raw, max_new_tokens=5).tokens
+    assert out[2].tokens == out[1].tokens and out[2].kv_bytes == out[1].kv_bytes
+    assert jkv.generate(spaced, "w7 w8 w9", max_new_tokens=5, cache=cache).tokens == out[0].tokens
+
+
+def test_batch_errors_name_the_row(params):
+    cache = jkv.ResponseCache()
+    jkv.generate(params, "w1 w2", max_new_tokens=3, cache=cache)
+    with pytest.raises(ValueError, match=r"prompt\[2\]"):
+        jkv.generate(params, ["w1 w2", "w3", ""], max_new_tokens=3, cache=cache)
+    with pytest.raises(ValueError, match=r"prompt\[1\].*holds token id 100000"):
+        jkv.generate(params, [[5, 6], [5, 100000]], max_new_tokens=3, cache=cache)
+
+
+# --------------------------------------------------------------------------- streaming
+def two_pieces(params, prompt, req):
+    """A stream function on jkv.generate: the text in two pieces, then the result."""
+    res = jkv.generate(params, prompt, max_new_tokens=req.max_new_tokens)
+    half = len(res.text) // 2
+    yield res.text[:half]
+    yield res.text[half:]
+    return res
+
+
+def _drain(gen):
+    pieces = []
+    while True:
+        try:
+            pieces.append(next(gen))
+        except StopIteration as stop:
+            return pieces, stop.value
+
+
+def test_stream_cached_streams_a_miss_and_answers_a_hit_in_one_piece(params, redis_url):
+    req = Request.build(params, **{**_GENERATE_DEFAULTS, "max_new_tokens": 6})
+    want = jkv.generate(params, "w4 w4 w2", max_new_tokens=6)
+    with jkv.ResponseCache(redis_url, node_id="s1") as a, jkv.ResponseCache(redis_url) as b:
+        pieces, made = _drain(stream_cached(params, "w4 w4 w2", req, a, two_pieces))
+        assert len(pieces) == 2 and "".join(pieces) == want.text and made.cache is None
+        for cache, level in ((a, "l1"), (b, "l2")):
+            pieces, hit = _drain(stream_cached(params, " w4 w4\nw2", req, cache, two_pieces))
+            assert pieces == [want.text] and hit.cache == level and hit.tokens == want.tokens
+        assert jkv.generate(params, "w4 w4 w2", max_new_tokens=6, cache=a).cache == "l1"
+
+
+def test_a_stream_closed_early_stores_nothing(params):
+    req = Request.build(params, **{**_GENERATE_DEFAULTS, "max_new_tokens": 6})
+    cache = jkv.ResponseCache()
+    stream = stream_cached(params, "w6 w6 w6", req, cache, two_pieces)
+    next(stream)
+    stream.close()
+    assert jkv.generate(params, "w6 w6 w6", max_new_tokens=6, cache=cache).cache is None

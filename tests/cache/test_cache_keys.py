@@ -94,7 +94,7 @@ def test_documented_value_rules():
     assert request_hash("t", "v1", "p", dict(reversed(BASE.items()))) == h()
 
 
-def test_memo_never_confuses_equal_but_different_values():
+def test_settings_memo_never_confuses_equal_but_different_values():
     hasher = K.KeyHasher()
     a = hasher.digest("t", "v", "p", {"seed": 1, "temperature": 0})
     b = hasher.digest("t", "v", "p", {"seed": True, "temperature": 0})
@@ -127,6 +127,37 @@ def test_key_format_and_hash_tag():
 def test_model_names_that_would_break_keys_are_rejected(name):
     with pytest.raises(ValueError, match="model_name="):
         K.check_model_name(name)
+
+
+@pytest.mark.parametrize(
+    "text, name",
+    [
+        ("demo copy", "demo-copy"),
+        ("Llama-3.2-1B", "Llama-3.2-1B"),
+        ("  my: {model}*? ", "my-model"),
+        ("-._x", "x"),
+        ("über model", "ber-model"),
+        ("???", "model"),
+        ("x" * 300, "x" * 128),
+    ],
+)
+def test_a_valid_name_is_derived_from_any_text(text, name):
+    assert K.derive_model_name(text) == name == K.check_model_name(name)
+
+
+def test_a_refused_name_suggests_a_valid_one():
+    with pytest.raises(ValueError, match=r"model_name='demo copy' .* e\.g\. 'demo-copy'"):
+        K.check_model_name("demo copy")
+
+
+def test_settings_objects_key_like_their_mapping():
+    settings = K.Settings(BASE)
+    assert settings == BASE and settings.cacheable and dict(settings) == BASE
+    hasher = K.KeyHasher()
+    assert hasher.digest("t", "v1", "p q", settings) == request_hash("t", "v1", "p  q", BASE)
+    assert not K.Settings({"temperature": 0.5}).cacheable
+    with pytest.raises(ValueError, match=r"settings\['top_p'\]=inf"):
+        K.Settings({**BASE, "top_p": float("inf")})
 
 
 @pytest.mark.parametrize(

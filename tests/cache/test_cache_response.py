@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
+import msgpack
 import pytest
 
 from jkv.cache import KMeansClusterer, Record, ResponseCache
@@ -105,6 +106,24 @@ def test_corrupt_l2_values_are_misses_and_deleted(redis_url, redis_client):
         assert cache.stats()["decode_failures"] == len(corrupt)
 
 
+def test_values_of_the_previous_schema_are_misses_and_deleted(redis_url, redis_client):
+    old = b"\x01" + msgpack.packb(["t", b"\x01\0\0\0", "stop", "v1", None, 1.0])
+    with ResponseCache(redis_url, node_id="a") as cache:
+        key = cache.key("demo", "v1", "old", SETTINGS)
+        redis_client.set(key, old)
+        assert cache.get("demo", "v1", "old", SETTINGS) is None
+        assert redis_client.exists(key) == 0
+
+
+def test_records_carry_the_generation_s_kv_bytes_and_stats(redis_url):
+    made = {"text": "t", "tokens": [1], "finish_reason": "stop", "kv_bytes": 96}
+    made["stats"] = {"prompt_tokens": 3, "prefill_s": 0.25}
+    with ResponseCache(redis_url, node_id="a") as a, ResponseCache(redis_url, node_id="b") as b:
+        a.get_or_generate("demo", "v1", "q", SETTINGS, lambda: made)
+        for found in (a.get("demo", "v1", "q", SETTINGS), b.get("demo", "v1", "q", SETTINGS)):
+            assert found.record.kv_bytes == 96 and found.record.stats == made["stats"]
+
+
 def test_oversized_values_are_returned_but_not_cached(cache):
     small = ResponseCache(max_value_bytes=64)
     big = {"text": "x" * 100, "tokens": [1], "finish_reason": "length"}
@@ -131,8 +150,11 @@ def test_32_threads_one_generation(cache):
     for t in threads:
         t.join()
     assert model.calls == 1
-    assert len(results) == 32 and len({r.record for r in results}) == 1
+    assert len(results) == 32 and all(r.record == results[0].record for r in results)
     assert cache.stats()["coalesced"] + cache.stats()["hits"]["l1"] == 31
+    levels = [r.level for r in results]
+    assert levels.count(None) == 1 and set(levels) <= {None, "l1", "coalesced"}
+    assert levels.count("coalesced") == cache.stats()["coalesced"]
 
 
 def test_generate_errors_reach_every_waiter_and_are_not_cached(cache):

@@ -11,6 +11,8 @@ import jkv
 from models.tiny_hf import KINDS
 
 NEW_TOKENS = 32
+# Fixed per kind (a hash() seed differs every run): a failure reproduces.
+PARITY_SEEDS = {kind: 100 + i for i, kind in enumerate(sorted(KINDS))}
 
 
 def _hf_model(folder):
@@ -19,6 +21,7 @@ def _hf_model(folder):
 
 def _check_parity(params, folder, seed):
     hf = _hf_model(folder)
+    print(f"parity seed {seed}")
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, params.config.vocab_size, size=(2, 40))
     ours = np.asarray(jkv.logits(params, ids))
@@ -37,7 +40,7 @@ def _check_parity(params, folder, seed):
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_load_hf_matches_transformers(kind, hf_checkpoint, tiny_params):
-    _check_parity(tiny_params(kind), hf_checkpoint(kind), seed=hash(kind) % 1000)
+    _check_parity(tiny_params(kind), hf_checkpoint(kind), seed=PARITY_SEEDS[kind])
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
