@@ -35,7 +35,8 @@ redis:
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server >/dev/null; }
 
-demo: $(DEV_STAMP)
+# The demo needs only the core dependencies (no torch, transformers or kvpress).
+demo: $(CORE_STAMP)
 	$(PY) -m jkv.demo
 
 test: $(DEV_STAMP) redis

@@ -8,10 +8,14 @@ The backend switch lives here:
                       fp8 appends; prefill (T > 1 query tokens) stays on the XLA path;
   "pallas_interpret"  the same kernels in the Pallas interpreter, on any machine (slow: tests).
 
+RoPE is applied here, not in the model (the callable is `rotates_qk`): keys are stored rotated at
+their positions, except for a `raw_keys` policy (StreamingLLM), whose keys are stored as they left
+the projection and rotated on read to positions within the cache.
+
 A KV policy (jkv.policies) hooks in at three points of each layer's call: where a decode token
-is written (an evicting policy frees a slot when the cache is full), the key positions attention
-rotates by (StreamingLLM's positions within the cache), and what it records afterwards (H2O's
-attention mass, SnapKV's observation-window scores).
+is written (an evicting policy frees a slot when its row is at its budget), the positions keys
+and queries are rotated by (StreamingLLM), and what it records afterwards (H2O's attention mass,
+SnapKV's observation-window scores).
 
 A state rebuilt by the SnapKV segment policy adds a logit bias per slot (merged slots) and
 low-rank segments; both paths attend over ordinary slots and low-rank tokens in ONE softmax: the
@@ -28,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from jkv import kv as kvlib
+from models.llama import rope
 from pallas_kernels import (
     combine_attention,
     decode_attention,
@@ -53,16 +58,6 @@ def _quantize_append_fn(backend: str):
     if backend == "xla":
         return quantize_append_reference
     return functools.partial(quantize_append, interpret=backend == "pallas_interpret")
-
-
-def rotate(x: jax.Array, angles_pos: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotate-half RoPE of x `[..., H]` by integer positions `[...]` (float32 angles)."""
-    ang = angles_pos.astype(jnp.float32)[..., None] * inv_freq  # [..., H/2]
-    ang = jnp.concatenate([ang, ang], axis=-1)
-    half = x.shape[-1] // 2
-    xf = x.astype(jnp.float32)
-    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-    return (xf * jnp.cos(ang) + rotated * jnp.sin(ang)).astype(x.dtype)
 
 
 def slot_mask(layer: kvlib.LayerKV, q_positions: jax.Array, sliding_window: int | None):
@@ -109,7 +104,11 @@ def cached_attention_reference(
         )
     k, v = _dequantised(layer, q.dtype)
     if key_rotation is not None:
-        k = rotate(k, *key_rotation)
+        k = rope(k, *key_rotation)
+    # Slots past a row's length may hold anything (NaN included); a zero probability times NaN
+    # is NaN, so V is masked, not only the scores.
+    valid = jnp.arange(layer.capacity) < layer.lengths[:, :, None]  # [B, K, S]
+    v = jnp.where(valid[..., None], v, jnp.zeros((), v.dtype))
     mask = slot_mask(layer, q_positions, sliding_window)  # [B, K, T, S]
     if q_valid is not None:
         mask &= q_valid[:, None, :, None]
@@ -269,34 +268,45 @@ def make_attention(
     sliding_window: int | None,
     backend: str = "xla",
     policy=None,
-    inv_freq: jax.Array | None = None,
+    limit: jax.Array | None = None,
+    inv_freq: jax.Array,
 ):
-    """The per-layer callable the model calls: append the T new tokens, attend over the cache.
+    """The per-layer callable the model calls: rotate, append the T new tokens, attend.
 
     Args:
       n_new: `[B]` int32, how many of the T tokens of each row are real (the rest is padding).
       sliding_window: Mistral's window, or None.
       backend: one of `BACKENDS`.
-      policy: the KV policy shaping the state (jkv.policies), or None for the full cache.
-      inv_freq: the model's RoPE inverse frequencies `[H/2]` (policies that re-rotate keys).
+      policy: the KV policy shaping the state (its `jit_key()`), or None for the full cache.
+      limit: `[B]` int32 slots each row may hold (`KVState.limit`; evicting policies).
+      inv_freq: the model's RoPE inverse frequencies `[H/2]`.
     """
     backend = validate_backend(backend)
     qappend = _quantize_append_fn(backend)
+    active = policy is not None
+    raw_keys = active and policy.raw_keys
+    if raw_keys and sliding_window is not None:
+        raise ValueError(
+            f"kv_policy={policy.name!r} rotates keys to positions within its cache, which a "
+            f"model's sliding_window={sliding_window} (in text positions) cannot follow; use "
+            "another policy or the full cache"
+        )
 
     def attention(layer_index, q, k, v, positions, layer: kvlib.LayerKV):
         t = q.shape[1]
         decoding = t == 1
-        active = policy is not None
-        start = policy.write_slots(layer, positions[:, 0]) if active and decoding else None
+        start = policy.write_slots(layer, positions[:, 0], limit) if active and decoding else None
+        if not raw_keys:
+            k = rope(k, positions[:, :, None], inv_freq)
         layer = kvlib.append(layer, k, v, positions, n_new, start=start, quantize_append=qappend)
         want_mass = active and policy.wants_mass
         key_rotation = None
-        if active and decoding:
-            rerotated = policy.cache_positions(layer, positions[:, 0])
-            if rerotated is not None:  # attend as if the cache were contiguous text
-                slot_pos, q_pos = rerotated
-                q = rotate(q, (q_pos - positions[:, 0])[:, None, None], inv_freq)
-                key_rotation = (slot_pos - layer.positions, inv_freq)
+        if raw_keys:  # attend as if the cache were contiguous text
+            slot_pos, q_pos = policy.cache_positions(layer, positions)
+            q = rope(q, q_pos[:, :, None], inv_freq)
+            key_rotation = (slot_pos, inv_freq)
+        else:
+            q = rope(q, positions[:, :, None], inv_freq)
         if backend != "xla" and decoding:
             res = _kernel_decode(
                 q, layer, positions, sliding_window, backend, want_mass, key_rotation
@@ -317,4 +327,5 @@ def make_attention(
             layer = policy.observe(layer_index, layer, q, positions, n_new, mass, backend)
         return out, layer
 
+    attention.rotates_qk = True
     return attention

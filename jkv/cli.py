@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("model", help="a checkpoint folder or a preset name")
     m.add_argument("--batch", type=int, default=1)
     m.add_argument("--seq-len", type=int, required=True)
-    m.add_argument("--max-new-tokens", type=int, default=0)
+    m.add_argument("--max-new-tokens", type=int, default=64, help="as jkv generate (default 64)")
     m.add_argument("--kv-dtype", choices=KV_DTYPES + ("float16",), default=None)
     m.add_argument("--kv-policy", default=None)
     m.add_argument("--kv-budget", type=_budget, default=None)
@@ -100,16 +100,15 @@ def _budget(text: str) -> int | float:
 def _read_config(model: str) -> tuple[ModelConfig, str]:
     """The config of a preset or a checkpoint folder, without loading any weights."""
     from jkv.checkpoints import DEMO_DIR
-    from jkv.checkpoints.orbax import MARKER, _config_from_json
+    from jkv.checkpoints.orbax import MARKER, config_from_json, read_meta
 
     path = DEMO_DIR if model == "demo" else Path(model)
     if path.is_dir():
         if (path / MARKER).is_file():
-            try:
-                meta = json.loads((path / MARKER).read_text())
-                return _config_from_json(meta["config"], str(path / MARKER)), "jkv"
-            except (json.JSONDecodeError, KeyError) as e:
-                raise ValueError(f"{path / MARKER}: cannot read jkv metadata ({e!r})") from None
+            meta = read_meta(path)
+            if not isinstance(meta.get("config"), dict):
+                raise ValueError(f"{path / MARKER}: holds no config")
+            return config_from_json(meta["config"], str(path / MARKER)), "jkv"
         if (path / "config.json").is_file():
             return ModelConfig.from_hf_file(path / "config.json"), "hugging face"
         raise ValueError(f"model={model!r} holds no config.json or jkv.json")
@@ -122,9 +121,13 @@ def _read_config(model: str) -> tuple[ModelConfig, str]:
 
 
 def cmd_info(args) -> int:
+    from jkv.checkpoints import default_name
+    from jkv.memory import token_bytes
+
     cfg, kind = _read_config(args.model)
     info = {
         "model": args.model,
+        "name": args.model if kind == "preset" else default_name(args.model),
         "source": kind,
         "architecture": cfg.architecture,
         "parameters": cfg.num_params(),
@@ -137,7 +140,8 @@ def cmd_info(args) -> int:
         "vocab_size": cfg.vocab_size,
         "max_position_embeddings": cfg.max_position_embeddings,
         "sliding_window": cfg.sliding_window,
-        "kv_bytes_per_token": {d: cfg.kv_bytes_per_token(d) for d in KV_DTYPES},
+        # K, V and (fp8) their scales, all layers
+        "kv_bytes_per_token": {d: cfg.num_layers * token_bytes(cfg, d) for d in KV_DTYPES},
     }
     if args.json:
         print(json.dumps(info, indent=2))

@@ -22,9 +22,10 @@ import numpy as np
 from jkv import attention as attn
 from jkv import kv as kvlib
 from jkv import policies
+from jkv.kv import bucket
 from jkv.params import Params
-from jkv.prefill import MIN_BUCKET, bucket, encode_prompts, prepare  # noqa: F401 (re-exported)
-from jkv.sampling import Sampling, sample
+from jkv.prefill import encode_prompts, prepare
+from jkv.sampling import Sampling, SamplingArrays, check_seed, sample
 from jkv.tokenizer import StreamDecoder
 from models.config import ModelConfig
 from models.llama import forward
@@ -46,14 +47,15 @@ class GenerationResult:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DecodeState:
-    """The decode loop's carry."""
+    """The decode loop's carry. Every per-request setting is a per-row array."""
 
     kv: kvlib.KVState
-    tokens: jax.Array  # [B, M] int32 generated ids (M = max_new_tokens), -1 where none
+    tokens: jax.Array  # [B, M] int32 generated ids (M: the max_new_tokens bucket), -1 where none
     count: jax.Array  # [B] int32 tokens generated so far per row
-    done: jax.Array  # [B] bool: row hit eos / a stop string / max_new_tokens
+    max_new: jax.Array  # [B] int32 each row's max_new_tokens (<= M)
+    done: jax.Array  # [B] bool: row hit eos / a stop string / its max_new_tokens
     last: jax.Array  # [B] int32 last generated token (input of the next step)
-    key: jax.Array  # PRNG key of the request
+    sampling: SamplingArrays  # per-row settings and seeds
     step: jax.Array  # [] int32 decode steps run so far
 
 
@@ -64,30 +66,29 @@ def _is_stop(tok: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
     return jnp.isin(tok, jnp.asarray(eos_ids, jnp.int32))
 
 
-@functools.partial(
-    jax.jit, static_argnames=("sampling", "eos_ids", "max_new_tokens"), donate_argnames=("kv",)
-)
+@functools.partial(jax.jit, static_argnames=("eos_ids", "slots"), donate_argnames=("kv",))
 def start(
     logits,
     kv: kvlib.KVState,
-    key,
+    sampling: SamplingArrays,
+    max_new,
     *,
-    sampling: Sampling,
     eos_ids: tuple[int, ...],
-    max_new_tokens: int,
+    slots: int,
 ) -> DecodeState:
-    """Samples each row's first token from the prefill logits and builds the loop state."""
+    """Samples each row's first token from the prefill logits and builds the loop state with
+    `slots` (the max_new_tokens bucket) places per row."""
     b = logits.shape[0]
-    first = sample(logits, jax.random.fold_in(key, 0), sampling)
-    tokens = jnp.full((b, max_new_tokens), -1, jnp.int32).at[:, 0].set(first)
-    done = _is_stop(first, eos_ids) | (max_new_tokens <= 1)
+    first = sample(logits, sampling, jnp.zeros((b,), jnp.int32))
+    tokens = jnp.full((b, slots), -1, jnp.int32).at[:, 0].set(first)
     return DecodeState(
         kv=kv,
         tokens=tokens,
         count=jnp.ones((b,), jnp.int32),
-        done=done,
+        max_new=max_new,
+        done=_is_stop(first, eos_ids) | (max_new <= 1),
         last=first,
-        key=key,
+        sampling=sampling,
         step=jnp.zeros((), jnp.int32),
     )
 
@@ -97,7 +98,6 @@ def decode_step(
     config: ModelConfig,
     s: DecodeState,
     *,
-    sampling: Sampling,
     eos_ids: tuple[int, ...],
     backend: str,
 ) -> DecodeState:
@@ -109,6 +109,7 @@ def decode_step(
         sliding_window=config.sliding_window,
         backend=backend,
         policy=s.kv.policy,
+        limit=s.kv.limit,
         inv_freq=jnp.asarray(config.inv_freq()),
     )
     logits, layers = forward(
@@ -121,26 +122,26 @@ def decode_step(
         logits_at=jnp.zeros_like(n_new),
     )
     kv = s.kv.replace(layers=layers, next_position=s.kv.next_position + n_new)
-    tok = sample(logits, jax.random.fold_in(s.key, s.step + 1), sampling)
+    tok = sample(logits, s.sampling, s.count)
     rows = jnp.arange(tok.shape[0])
     # A finished row writes at index M, which the scatter drops.
     tokens = s.tokens.at[rows, jnp.where(active, s.count, s.tokens.shape[1])].set(tok, mode="drop")
     count = s.count + n_new
-    done = s.done | (active & _is_stop(tok, eos_ids)) | (count >= s.tokens.shape[1])
-    return DecodeState(
+    done = s.done | (active & _is_stop(tok, eos_ids)) | (count >= s.max_new)
+    return dataclasses.replace(
+        s,
         kv=kv,
         tokens=tokens,
         count=count,
         done=done,
         last=jnp.where(active, tok, s.last),
-        key=s.key,
         step=s.step + 1,
     )
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("config", "sampling", "eos_ids", "backend"),
+    static_argnames=("config", "eos_ids", "backend"),
     donate_argnames=("state",),
 )
 def decode(
@@ -149,18 +150,15 @@ def decode(
     state: DecodeState,
     limit: jax.Array,
     *,
-    sampling: Sampling,
     eos_ids: tuple[int, ...],
     backend: str = "xla",
 ) -> DecodeState:
     """Runs decode steps until every row is done or `state.step` reaches `limit`.
 
     `limit` is traced, so streaming (one step per call) and whole-request decoding share one
-    compiled loop.
+    compiled loop; so are the sampling settings, budgets and max_new_tokens of every row.
     """
-    step = functools.partial(
-        decode_step, weights, config, sampling=sampling, eos_ids=eos_ids, backend=backend
-    )
+    step = functools.partial(decode_step, weights, config, eos_ids=eos_ids, backend=backend)
     return jax.lax.while_loop(lambda s: (s.step < limit) & ~jnp.all(s.done), step, state)
 
 
@@ -215,9 +213,16 @@ class Request:
             or max_new_tokens < 1
         ):
             raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise ValueError(f"seed={seed!r} must be an integer")
+        check_seed(seed)
         kv_dtype = kvlib.validate_kv_dtype(kv_dtype) if kv_dtype else None
+        policy = policies.resolve(kv_policy, kv_budget)
+        window = params.config.sliding_window
+        if policy is not None and policy.raw_keys and window is not None:
+            raise ValueError(
+                f"kv_policy={policy.name!r} rotates keys to positions within its cache, which "
+                f"the model's sliding_window={window} (in text positions) cannot follow; use "
+                "another policy or the full cache"
+            )
         return cls(
             max_new_tokens=max_new_tokens,
             sampling=Sampling(
@@ -231,7 +236,7 @@ class Request:
             stop=_stop_strings(stop),
             kv_dtype=kv_dtype,
             backend=attn.validate_backend(backend),
-            policy=policies.resolve(kv_policy, kv_budget),
+            policy=policy,
         )
 
 
@@ -252,10 +257,11 @@ class Session:
                     "kv_policy given beside kv_state: the state keeps the policy "
                     "it was prefilled with"
                 )
-        kv_dtype = kv_state.dtype if kv_state is not None else req.kv_dtype or cfg.dtype
+        kv_dtype = kv_state.dtype if kv_state is not None else req.kv_dtype or params.kv_dtype
         self.eos_ids = tuple(sorted(set(cfg.eos_token_ids)))
+        self.policy = req.policy if kv_state is None else kv_state.policy
         t0 = time.perf_counter()
-        logits, kv, self.policy = prepare(
+        logits, kv = prepare(
             params,
             prompts,
             policy=req.policy,
@@ -267,10 +273,10 @@ class Session:
         self.state = start(
             logits,
             kv,
-            jax.random.key(req.seed),
-            sampling=req.sampling,
+            SamplingArrays.build([req.sampling] * b, [req.seed] * b),
+            jnp.full((b,), req.max_new_tokens, jnp.int32),
             eos_ids=self.eos_ids,
-            max_new_tokens=req.max_new_tokens,
+            slots=bucket(req.max_new_tokens),
         )
         self.state.tokens.block_until_ready()
         self.prefill_s = time.perf_counter() - t0
@@ -291,7 +297,6 @@ class Session:
             self.params.config,
             self.state,
             limit,
-            sampling=self.req.sampling,
             eos_ids=self.eos_ids,
             backend=self.req.backend,
         )
@@ -427,10 +432,10 @@ def generate(
       kv_state: a state from `jkv.prefill` to continue (the prompt is appended to it; the
         state itself is not consumed).
       cache: a `jkv.ResponseCache`: answers come from L1, then L2 (Redis), then the model,
-        which fills both; `result.cache` says which level answered. Text prompts are
-        whitespace-normalised first (the cache key's rule), so a cached answer is exactly the
-        model's answer to the prompt it stands for. Not used with `kv_state` (the state is
-        not part of the key).
+        which fills both. The key normalises whitespace; the model reads the prompt exactly
+        as given. `result.cache` is "l1", "l2", "coalesced" or None (this call generated); a
+        hit reports the `kv_bytes` and stats of the generation that produced it, plus
+        `stats["cache"]`. Not used with `kv_state` (the state is not part of the key).
 
     Returns:
       A `GenerationResult`, or a list of them for a batch.
@@ -470,15 +475,25 @@ def _run(params: Params, prompts: list[list[int]], req: Request, kv_state=None):
     return session.results()
 
 
-def stream(params: Params, prompt, **kwargs) -> Iterator[str]:
+def stream(params: Params, prompt, *, cache=None, **kwargs) -> Iterator[str]:
     """Yields the text of one prompt's continuation piece by piece as it decodes.
 
-    Takes the same keyword arguments as `generate`; a batch is not accepted.
+    Takes the same keyword arguments as `generate` (`cache=` included: a hit is one piece);
+    a batch is not accepted.
     """
     kv_state = kwargs.pop("kv_state", None)
     req = Request.build(params, **{**_GENERATE_DEFAULTS, **kwargs})
     if params.tokenizer is None:
         raise ValueError("stream needs a tokenizer to produce text; these params carry none")
+    if cache is not None and kv_state is None:
+        from jkv.cached import stream_cached
+
+        return (yield from stream_cached(params, prompt, req, cache, _stream))
+    return (yield from _stream(params, prompt, req, kv_state))
+
+
+def _stream(params: Params, prompt, req: Request, kv_state=None):
+    """Text pieces of one prompt's continuation; returns its GenerationResult."""
     prompts, is_batch = encode_prompts(params, prompt, continuation=kv_state is not None)
     if is_batch:
         raise ValueError(f"stream takes one prompt; got a batch of {len(prompts)}")
@@ -502,7 +517,7 @@ def stream(params: Params, prompt, **kwargs) -> Iterator[str]:
             yield text[emitted:upto]
             emitted = upto
         if final:
-            return
+            return session.results()[0]
         session.advance(1)
 
 

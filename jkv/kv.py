@@ -28,6 +28,19 @@ import numpy as np
 
 KV_DTYPES = ("float32", "bfloat16", "float8_e4m3fn")
 SCALE_DTYPE = jnp.bfloat16  # 2 bytes: keeps fp8 KV at ~0.51x bf16 with scales counted
+MIN_BUCKET = 16
+NO_LIMIT = 2**30  # `KVState.limit` of rows whose policy never evicts
+
+
+def bucket(n: int) -> int:
+    """Every compiled size (prompt length, cache capacity, decode headroom) is a power of two,
+    at least MIN_BUCKET: the number of compiled variants grows with log(length), not length."""
+    return max(MIN_BUCKET, 1 << (max(int(n), 1) - 1).bit_length())
+
+
+def headroom(max_new_tokens: int) -> int:
+    """Slots a full cache reserves for decoding `max_new_tokens` (0 for none)."""
+    return 0 if max_new_tokens <= 0 else bucket(max_new_tokens)
 
 
 @jax.tree_util.register_dataclass
@@ -94,8 +107,12 @@ class KVState:
 
     layers: tuple[LayerKV, ...]  # L entries
     next_position: jax.Array  # [B] int32: position of each row's next token
+    # [B] int32: slots a row may hold; an evicting policy frees a slot beyond it (its budget,
+    # per row, so a row holds what it would alone); NO_LIMIT for other policies.
+    limit: jax.Array
     dtype: str = dataclasses.field(default="float32", metadata=dict(static=True))
-    # The KV policy that shaped this state (None: full cache); decode steps keep applying it.
+    # The KV policy that shaped this state (None: full cache), as compiled functions see it
+    # (`KVPolicy.jit_key()`: its budget lives in `limit`); decode steps keep applying it.
     policy: object = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
@@ -122,9 +139,10 @@ def init_state(
     dtype: str,
     scores: bool = False,
     policy=None,
+    limit=None,
 ) -> KVState:
     """An empty state. `capacity` is one S for all layers or one per layer; `scores` adds the
-    per-slot float32 score array policies accumulate into."""
+    per-slot float32 score array policies accumulate into; `limit` `[B]` (default NO_LIMIT)."""
     validate_kv_dtype(dtype)
     caps = [capacity] * num_layers if isinstance(capacity, int) else list(capacity)
     if len(caps) != num_layers:
@@ -148,6 +166,7 @@ def init_state(
     return KVState(
         layers=tuple(layers),
         next_position=jnp.zeros((batch,), jnp.int32),
+        limit=jnp.full((batch,), NO_LIMIT, jnp.int32) if limit is None else jnp.asarray(limit),
         dtype=dtype,
         policy=policy,
     )
@@ -201,7 +220,8 @@ def append(
     return dataclasses.replace(
         layer,
         positions=layer.positions.at[bi, ki, slots].set(pos, mode="drop"),
-        lengths=jnp.minimum(layer.lengths + n_new[:, None], layer.capacity),
+        # Writing over an evicted slot (start < length) leaves the length as it was.
+        lengths=jnp.minimum(jnp.maximum(layer.lengths, start + n_new[:, None]), layer.capacity),
         **changes,
     )
 

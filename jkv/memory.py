@@ -4,21 +4,22 @@ Per layer, K and V hold `2 * batch * slots * n_kv_heads * head_dim * dtype_bytes
 not query heads); fp8 storage adds a bfloat16 scale per (row, kv head, slot) for each of K and
 V. The SnapKV segment rebuild adds a float32 logit bias per slot and its low-rank factors
 (`segments`, in the total) and their counts, ranks and positions (bookkeeping).
-`slots` is what the policy allocates for a context of `seq_len` tokens plus decode headroom:
-the same function `jkv.generate` sizes its cache with, so `result.kv_bytes` equals
-`memory(...)` for the same settings (with `seq_len` the longest prompt, or for the full cache
-the prompt's power-of-two bucket, which is what generate allocates).
+`slots` is what `jkv.generate` allocates for a longest prompt of `seq_len` tokens and
+`max_new_tokens` (the same defaults as generate's, 64): the prompt's bucket plus the decode
+headroom's bucket for the full cache, the policy's `capacities` otherwise, so
+`result.kv_bytes == memory(...)` for the same settings.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
+import jax.numpy as jnp
 
 from jkv import kv as kvlib
 from jkv import policies
-from models.config import ModelConfig, _np_dtype, preset
+from jkv.params import Params
+from models.config import ModelConfig, preset
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,9 +38,15 @@ class MemoryReport:
         return self.total
 
 
-def _config(model) -> ModelConfig:
-    from jkv.params import Params
+def token_bytes(cfg: ModelConfig, kv_dtype: str) -> int:
+    """Bytes one token occupies in one layer's cache: K and V of every kv head (the seed's
+    formula), plus their bfloat16 scales under fp8 storage."""
+    item = jnp.dtype(kv_dtype).itemsize
+    scales = 2 * jnp.dtype(kvlib.SCALE_DTYPE).itemsize if kv_dtype == "float8_e4m3fn" else 0
+    return cfg.num_kv_heads * (2 * cfg.head_dim * item + scales)
 
+
+def _config(model) -> ModelConfig:
     if isinstance(model, ModelConfig):
         return model
     if isinstance(model, Params):
@@ -54,7 +61,7 @@ def memory(
     batch: int,
     seq_len: int,
     *,
-    max_new_tokens: int = 0,
+    max_new_tokens: int = 64,
     kv_dtype: str | None = None,
     kv_policy=None,
     kv_budget=None,
@@ -64,8 +71,9 @@ def memory(
     Args:
       model: a preset name ("llama-3.1-8b", ...), a `ModelConfig`, or loaded params.
       batch: rows.
-      seq_len: context tokens per row.
-      max_new_tokens: decode headroom (policies that evict keep a fixed size instead).
+      seq_len: prompt tokens of the longest row.
+      max_new_tokens: tokens each row may generate, as in `jkv.generate` (policies that evict
+        keep a fixed size instead).
       kv_dtype: "float32", "bfloat16", "float8_e4m3fn" or "float16" (the seed's example);
         default: the model's dtype.
       kv_policy, kv_budget: as in `jkv.generate`.
@@ -81,19 +89,19 @@ def memory(
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name}={value!r} must be an integer >= {low}")
-    dtype = kv_dtype or cfg.dtype
+    dtype = kv_dtype or (model.kv_dtype if isinstance(model, Params) else cfg.dtype)
     if dtype != "float16":
         kvlib.validate_kv_dtype(dtype)
-    itemsize = np.dtype(_np_dtype(dtype)).itemsize
     policy = policies.resolve(kv_policy, kv_budget)
     if policy is None:
-        slots = (seq_len + max_new_tokens,) * cfg.num_layers
+        slots = (kvlib.bucket(seq_len) + kvlib.headroom(max_new_tokens),) * cfg.num_layers
     else:
-        slots = policy.capacities(cfg.num_layers, seq_len, max_new_tokens)
+        slots = policy.capacities(cfg.num_layers, [seq_len], max_new_tokens)
+    per_token = token_bytes(cfg, dtype)
+    kv_part = 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+    kv = [batch * s * kv_part for s in slots]
+    scales = [batch * s * (per_token - kv_part) for s in slots]
     per_slot = batch * cfg.num_kv_heads
-    kv = [2 * per_slot * s * cfg.head_dim * itemsize for s in slots]
-    scale_bytes = np.dtype(_np_dtype("bfloat16")).itemsize
-    scales = [2 * per_slot * s * scale_bytes if dtype == "float8_e4m3fn" else 0 for s in slots]
     extra = [(0, 0)] * len(slots)
     if isinstance(policy, policies.SnapKVSegments):
         from jkv.policies.segments import store_bytes
@@ -105,7 +113,7 @@ def memory(
             for s in slots
         ]
     per_layer = tuple(a + b + e[0] for a, b, e in zip(kv, scales, extra, strict=True))
-    bookkeeping = sum(per_slot * (s * 4 + 4) for s in slots) + batch * 4
+    bookkeeping = sum(per_slot * (s * 4 + 4) for s in slots) + batch * 8  # + positions, limit
     return MemoryReport(
         total=sum(per_layer),
         per_layer=per_layer,

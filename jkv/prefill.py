@@ -1,7 +1,7 @@
 """Prompt -> KV state: the first rung of the generation ladder, and `jkv.prefill`.
 
 `prefill_step` is the jitted forward over a padded prompt batch (lengths bucketed to powers of
-two, so recompiles stay bounded). `prepare` builds the state a request decodes from: a fresh
+two, `jkv.kv.bucket`, so recompiles stay bounded). `prepare` builds the state a request decodes from: a fresh
 cache, or a copy of a given state grown for the new tokens, then prefill, then the KV policy's
 compression, so what the policy drops never reaches the decode loop.
 """
@@ -18,17 +18,11 @@ import numpy as np
 from jkv import attention as attn
 from jkv import kv as kvlib
 from jkv import policies
+from jkv.kv import bucket, headroom
 from jkv.params import Params
 from jkv.policies.compress import compress, grow
 from models.config import ModelConfig
 from models.llama import forward
-
-MIN_BUCKET = 16
-
-
-def bucket(n: int) -> int:
-    """Prompt lengths are padded to a power of two (at least MIN_BUCKET)."""
-    return max(MIN_BUCKET, 1 << (max(n, 1) - 1).bit_length())
 
 
 @functools.partial(
@@ -57,6 +51,7 @@ def prefill_step(
         sliding_window=config.sliding_window,
         backend=backend,
         policy=policy,
+        limit=kv.limit,
         inv_freq=jnp.asarray(config.inv_freq()),
     )
     logits, layers = forward(
@@ -139,8 +134,11 @@ def prepare(
     With `kv_state` (from `jkv.prefill`): the prompts continue it, uncompressed (its policy
     keeps evicting if it evicts); the given state is left intact.
 
+    Every compiled shape is a bucket: the prompt's (`bucket`), the decode headroom's
+    (`headroom`) and the capacities a policy asks for; budgets travel as per-row data.
+
     Returns:
-      (logits `[B, V]` at each row's last token, the state, its policy).
+      (logits `[B, V]` at each row's last token, the state).
     """
     cfg = params.config
     lengths = [len(p) for p in prompts]
@@ -151,39 +149,45 @@ def prepare(
     tokens, n_new = jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32)
 
     if kv_state is not None:
-        policy = kv_state.policy
-        headroom = 0 if policy is not None and policy.evicts else max_new_tokens
-        kv = grow(kv_state, t + headroom)
+        key = kv_state.policy
+        evicting = key is not None and key.evicts
+        kv = grow(kv_state, t + (0 if evicting else headroom(max_new_tokens)))
     else:
-        capacity = t if policy is not None else t + max_new_tokens
-        kv = empty_state(cfg, len(prompts), capacity, kv_dtype, policy=policy)
+        key = None if policy is None else policy.jit_key()
+        capacity = t if policy is not None else t + headroom(max_new_tokens)
+        limits = None if policy is None else policy.row_limits(lengths)
+        kv = empty_state(cfg, len(prompts), capacity, kv_dtype, policy=key, limit=limits)
     if params.mesh is not None:
         from jkv.sharding import shard_kv
 
         kv = shard_kv(kv, params.mesh)
-    logits, kv = prefill_step(
-        params.weights, cfg, tokens, n_new, kv, backend=backend, policy=policy
-    )
+    logits, kv = prefill_step(params.weights, cfg, tokens, n_new, kv, backend=backend, policy=key)
     if kv_state is None and policy is not None:
-        caps = policy.capacities(cfg.num_layers, max(lengths), max_new_tokens)
-        kv = compress(
-            params.weights, cfg, kv, tokens, n_new, policy=policy, capacities=caps, backend=backend
-        )
-    elif kv_state is not None and policy is not None and policy.evicts:
-        # Back to the fixed capacity: the policy's rule picks what the new tokens displace.
-        caps = tuple(x.capacity for x in kv_state.layers)
         kv = compress(
             params.weights,
             cfg,
             kv,
             tokens,
             n_new,
-            policy=policy,
-            capacities=caps,
+            jnp.asarray(policy.row_budgets(lengths)),
+            policy=key,
+            capacities=policy.capacities(cfg.num_layers, lengths, max_new_tokens),
             backend=backend,
-            budget=caps[0],
         )
-    return logits, kv, policy
+    elif kv_state is not None and key is not None and key.evicts:
+        # Back to the fixed capacity: the policy's rule picks what the new tokens displace.
+        kv = compress(
+            params.weights,
+            cfg,
+            kv,
+            tokens,
+            n_new,
+            kv.limit,
+            policy=key,
+            capacities=tuple(x.capacity for x in kv_state.layers),
+            backend=backend,
+        )
+    return logits, kv
 
 
 def prefill(
@@ -210,18 +214,20 @@ def prefill(
     if not isinstance(params, Params):
         raise ValueError(f"params is a {type(params).__name__}; expected jkv.Params")
     policy = policies.resolve(kv_policy, kv_budget)
-    kv_dtype = kvlib.validate_kv_dtype(kv_dtype or params.config.dtype)
+    kv_dtype = kvlib.validate_kv_dtype(kv_dtype or params.kv_dtype)
     backend = attn.validate_backend(backend)
     prompts, _ = encode_prompts(params, context)
-    _, state, _ = prepare(
+    _, state = prepare(
         params, prompts, policy=policy, kv_dtype=kv_dtype, backend=backend, max_new_tokens=0
     )
     return state
 
 
-def empty_state(cfg: ModelConfig, batch: int, capacity: int, dtype: str, *, policy=None):
-    """An empty KV state shaped for `cfg` that carries `policy`, with the per-slot score array
-    when that policy accumulates one."""
+def empty_state(
+    cfg: ModelConfig, batch: int, capacity: int, dtype: str, *, policy=None, limit=None
+):
+    """An empty KV state shaped for `cfg` that carries `policy` (a `jit_key()`) and the row
+    budgets `limit`, with the per-slot score array when that policy accumulates one."""
     return kvlib.init_state(
         num_layers=cfg.num_layers,
         batch=batch,
@@ -231,6 +237,7 @@ def empty_state(cfg: ModelConfig, batch: int, capacity: int, dtype: str, *, poli
         dtype=dtype,
         scores=policy is not None and policy.observes,
         policy=policy,
+        limit=limit,
     )
 
 
@@ -263,7 +270,7 @@ def score(params: Params, text, *, kv_state: kvlib.KVState | None = None, backen
         _check_state(kv_state, 1, None)
         kv, policy = grow(kv_state, t), kv_state.policy
     else:
-        kv, policy = empty_state(cfg, 1, t, cfg.dtype), None
+        kv, policy = empty_state(cfg, 1, t, params.kv_dtype), None
     logits, _ = prefill_step(
         params.weights,
         cfg,
@@ -287,6 +294,7 @@ def _teacher_forced(weights, config: ModelConfig, ids, kv, *, backend: str):
         sliding_window=config.sliding_window,
         backend=backend,
         policy=kv.policy,
+        limit=kv.limit,
         inv_freq=jnp.asarray(config.inv_freq()),
     )
 
@@ -319,16 +327,23 @@ def stream_score(params: Params, text, *, policy=None, backend=None):
     ids = _one_text(params, text, "stream_score")
     backend = attn.validate_backend(backend)
     policy = policies.resolve(policy)
+    cfg = params.config
     if policy is None:
-        capacity = len(ids)
+        kv = empty_state(cfg, 1, len(ids), params.kv_dtype)
     elif policy.evicts and isinstance(policy.budget, int):
-        capacity = policy.budget
+        cap = policy.capacities(cfg.num_layers, [len(ids)], 0)[0]
+        kv = empty_state(
+            cfg,
+            1,
+            cap,
+            params.kv_dtype,
+            policy=policy.jit_key(),
+            limit=policy.row_limits([len(ids)]),
+        )
     else:
         raise ValueError(
             f"policy={policy.describe()} must evict at a fixed integer budget (e.g. "
             "StreamingLLM(budget=256)); a fractional budget needs the whole text up front"
         )
-    cfg = params.config
-    kv = empty_state(cfg, 1, capacity, cfg.dtype, policy=policy)
     out = _teacher_forced(params.weights, cfg, jnp.asarray(ids, jnp.int32), kv, backend=backend)
     return np.asarray(out, np.float32)

@@ -106,7 +106,6 @@ def shard_params(weights, mesh: Mesh):
 
 def shard_kv(state, mesh: Mesh):
     """Places a `KVState` by the rules table (batch over "data", kv heads over "model")."""
-    from jkv.kv import KVState
 
     def place(obj, table):
         changes = {}
@@ -124,12 +123,12 @@ def shard_kv(state, mesh: Mesh):
             layer = layer.replace(lowrank=place(layer.lowrank, LOWRANK_AXES))
         return layer
 
-    next_position = jax.device_put(
-        state.next_position,
-        NamedSharding(mesh, spec(("batch",), state.next_position.shape, mesh)),
-    )
-    return KVState(
+    def per_row(x):
+        return jax.device_put(x, NamedSharding(mesh, spec(("batch",), x.shape, mesh)))
+
+    # replace, not a new KVState: static fields (dtype, policy) travel unchanged
+    return state.replace(
         layers=tuple(place_layer(x) for x in state.layers),
-        next_position=next_position,
-        dtype=state.dtype,
+        next_position=per_row(state.next_position),
+        limit=per_row(state.limit),
     )

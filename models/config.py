@@ -143,11 +143,6 @@ class ModelConfig:
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embed + d
 
-    def kv_bytes_per_token(self, kv_dtype: str | None = None) -> int:
-        """Bytes of K and V one token adds across all layers (the seed's 2.1 formula, batch 1)."""
-        itemsize = np.dtype(_np_dtype(kv_dtype or self.dtype)).itemsize
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
-
     # ------------------------------------------------------------------ Hugging Face
     @classmethod
     def from_hf_config(

@@ -23,23 +23,32 @@ import jax.numpy as jnp
 from models.config import ModelConfig
 
 # attention(layer, q [B,T,N,H], k [B,T,K,H], v [B,T,K,H], positions [B,T], cache) -> (out, cache)
+# q and k arrive rotated by RoPE at `positions`, or as they left the projections when the
+# callable has a true `rotates_qk` attribute (it then applies `apply_rope` itself, e.g. at
+# positions of its own choosing).
 AttentionFn = Callable[
     [int, jax.Array, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]
 ]
 
 
 def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
-    """cos, sin `[B, T, H]` for integer positions `[B, T]` (angles in float32, as HF does)."""
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)  # [B, T, H]
+    """cos, sin `[..., H]` for integer positions `[...]` (angles in float32, as HF does)."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., H/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)  # [..., H]
     return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate-half RoPE on x `[B, T, heads, H]` with cos/sin `[B, T, H]`."""
+    """Rotate-half RoPE on x `[..., H]` with cos/sin broadcastable to x."""
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+    return x * cos + rotated * sin
+
+
+def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """x `[..., H]` rotated by integer `positions` `[...]` (shape of x without H), in x's dtype."""
+    cos, sin = rope_cos_sin(positions, inv_freq, x.dtype)
+    return apply_rope(x, cos, sin)
 
 
 def causal_attention(q, k, v, q_positions, k_positions, *, sliding_window=None, k_valid=None):
@@ -130,8 +139,10 @@ class Attention(nn.Module):
         q = _dense((n, h), "q_proj", dt, use_bias=cfg.qkv_bias)(x)  # [B, T, N, H]
         key = _dense((k, h), "k_proj", dt, use_bias=cfg.qkv_bias)(x)  # [B, T, K, H]
         val = _dense((k, h), "v_proj", dt, use_bias=cfg.qkv_bias)(x)  # [B, T, K, H]
-        cos, sin = rope_cos_sin(positions, jnp.asarray(cfg.inv_freq()), dt)
-        q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
+        if not getattr(attention, "rotates_qk", False):
+            cos, sin = rope_cos_sin(positions, jnp.asarray(cfg.inv_freq()), dt)
+            cos, sin = cos[:, :, None], sin[:, :, None]  # over the heads axis
+            q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
         if attention is None:
             out = causal_attention(
                 q, key, val, positions, positions, sliding_window=cfg.sliding_window

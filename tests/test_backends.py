@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 
 import jkv
+from jkv.prefill import score
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral"])  # mistral: the sliding-window path
-@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "float8_e4m3fn"])
 def test_pallas_interpret_matches_xla(tiny_params, kind, kv_dtype):
     params = tiny_params(kind)
     rng = np.random.default_rng(11)
@@ -43,21 +44,30 @@ def test_fp8_kv_bytes_at_head_dim_128(tiny_params):
     assert bf16.kv_bytes * 2 == f32.kv_bytes
 
 
-def test_fp8_generation_stays_close_to_full_precision(tiny_params):
+# Teacher-forced log-probabilities of a continuation over a compressed-storage context, against
+# the float32 cache: the largest difference seen on this model is 0.01 (bf16) and 0.16 (fp8).
+BOUNDS = {"bfloat16": 0.03, "float8_e4m3fn": 0.25}
+
+
+@pytest.mark.parametrize("kv_dtype", sorted(BOUNDS))
+def test_compressed_storage_stays_within_a_stated_bound(tiny_params, kv_dtype):
     params = tiny_params("llama")
     rng = np.random.default_rng(5)
-    prompts = [rng.integers(3, params.config.vocab_size, size=30).tolist() for _ in range(4)]
-    full = jkv.generate(params, prompts, max_new_tokens=16, kv_dtype="float32")
-    fp8 = jkv.generate(params, prompts, max_new_tokens=16, kv_dtype="float8_e4m3fn")
-    agree = np.mean(
-        [
-            a == b
-            for x, y in zip(full, fp8, strict=True)
-            for a, b in zip(x.tokens, y.tokens, strict=True)
-        ]
+    context = rng.integers(3, params.config.vocab_size, size=60).tolist()
+    text = rng.integers(3, params.config.vocab_size, size=40).tolist()
+    want = score(params, text, kv_state=jkv.prefill(params, context, kv_dtype="float32"))
+    got = score(params, text, kv_state=jkv.prefill(params, context, kv_dtype=kv_dtype))
+    err = float(np.abs(got - want).max())
+    full = jkv.generate(params, context, max_new_tokens=32, kv_dtype="float32")
+    low = jkv.generate(params, context, max_new_tokens=32, kv_dtype=kv_dtype)
+    same = next(
+        (i for i, (a, b) in enumerate(zip(full.tokens, low.tokens, strict=False)) if a != b), 32
     )
-    print(f"fp8 vs float32 KV: {agree:.0%} of greedy tokens identical")
-    assert agree >= 0.5  # random tiny models have near-ties; fp8 may flip a few
+    print(
+        f"{kv_dtype}: max |log p - log p(float32)| = {err:.4f}; greedy tokens identical for "
+        f"the first {same} of 32"
+    )
+    assert err <= BOUNDS[kv_dtype]
 
 
 def test_gpu_check_cpu_mode(tmp_path):
@@ -129,15 +139,18 @@ def test_segment_rebuild_steps_lower_for_cuda(tiny_params, kv_dtype):
         dtype=kv_dtype,
         scores=True,
     )
-    caps = policy.capacities(cfg.num_layers, 30, 8)
+    caps = policy.capacities(cfg.num_layers, [30, 20], 8)
     tokens, n_new = jnp.zeros((2, 32), jnp.int32), jnp.array([30, 20], jnp.int32)
-    kw = dict(policy=policy, capacities=caps, backend="pallas")
-    rebuild = compress.trace(params.weights, cfg, state, tokens, n_new, **kw)
+    budgets = jnp.asarray(policy.row_budgets([30, 20]))
+    kw = dict(policy=policy.jit_key(), capacities=caps, backend="pallas")
+    rebuild = compress.trace(params.weights, cfg, state, tokens, n_new, budgets, **kw)
     text = rebuild.lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("jkv_segment_merge") == cfg.num_layers
-    shapes = jax.eval_shape(lambda s: compress(params.weights, cfg, s, tokens, n_new, **kw), state)
+    shapes = jax.eval_shape(
+        lambda s: compress(params.weights, cfg, s, tokens, n_new, budgets, **kw), state
+    )
     kv = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
-    assert kv.policy == policy and kv.layers[0].lowrank is not None
+    assert kv.policy == policy.jit_key() and kv.layers[0].lowrank is not None
     text = _decode_for_cuda(params, cfg, kv)
     assert text.count("jkv_decode_attention") >= cfg.num_layers
     assert text.count("jkv_lowrank_attention") >= cfg.num_layers
@@ -147,19 +160,19 @@ def _decode_for_cuda(params, cfg, kv):
     """The decode loop over KV state `kv` (batch 2), lowered for CUDA with the Pallas backend."""
     import importlib
 
-    import jax
     import jax.numpy as jnp
 
-    from jkv.sampling import Sampling
+    from jkv.sampling import Sampling, SamplingArrays
 
     gen = importlib.import_module("jkv.generate")  # the module (jkv.generate is the function)
     loop_state = gen.DecodeState(
         kv=kv,
-        tokens=jnp.zeros((2, 8), jnp.int32),
+        tokens=jnp.zeros((2, 16), jnp.int32),
         count=jnp.ones((2,), jnp.int32),
+        max_new=jnp.full((2,), 8, jnp.int32),
         done=jnp.zeros((2,), bool),
         last=jnp.zeros((2,), jnp.int32),
-        key=jax.random.key(0),
+        sampling=SamplingArrays.build([Sampling(temperature=0.7, top_p=0.9)] * 2, [0, 1]),
         step=jnp.zeros((), jnp.int32),
     )
     decode = gen.decode.trace(

@@ -67,6 +67,18 @@ def test_info_preset(capsys):
     out = capsys.readouterr().out
     assert "8,030,261,248" in out
     assert "kv bytes/token bfloat16" in out and "131,072" in out
+    # fp8: one byte per K and V element plus a 2-byte scale per (kv head, token) for each
+    assert "kv bytes/token float8_e4m3fn" in out and f"{32 * 8 * (2 * 128 + 2 * 2):,}" in out
+
+
+def test_info_shows_the_name_the_cache_uses(hf_checkpoint, tmp_path, capsys):
+    import shutil
+
+    folder = tmp_path / "demo copy"
+    shutil.copytree(hf_checkpoint("llama"), folder)
+    assert main(["info", str(folder), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["name"] == jkv.load(folder).name == "demo-copy"
 
 
 @pytest.mark.parametrize(

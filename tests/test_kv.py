@@ -50,7 +50,7 @@ def test_state_is_a_pytree_that_jit_donates():
         num_layers=2, batch=1, num_kv_heads=1, head_dim=4, capacity=3, dtype="float32"
     )
     leaves, treedef = jax.tree_util.tree_flatten(state)
-    assert len(leaves) == 2 * 4 + 1  # k, v, lengths, positions per layer + next_position
+    assert len(leaves) == 2 * 4 + 2  # k, v, lengths, positions per layer; next_position, limit
     bump = jax.jit(lambda s: s.replace(next_position=s.next_position + 1), donate_argnums=0)
     out = bump(state)
     assert int(out.next_position[0]) == 1 and out.dtype == "float32"

@@ -16,6 +16,7 @@ SCRIPT = textwrap.dedent(
     from jax.sharding import Mesh
 
     import jkv
+    from jkv.sharding import shard_kv
 
     assert len(jax.devices()) == 4, jax.devices()
     folder = sys.argv[1]
@@ -30,6 +31,17 @@ SCRIPT = textwrap.dedent(
     b = jkv.generate(sharded, prompts, max_new_tokens=16)
     for x, y in zip(a, b):
         assert x.tokens == y.tokens, (x.tokens, y.tokens)
+    # A compressed context continued on the mesh: the state keeps its policy and budgets.
+    for policy in (jkv.SnapKV(budget=0.5, window=4), jkv.H2O(budget=6, recent=2)):
+        states = [jkv.prefill(p, prompts, kv_policy=policy) for p in (plain, sharded)]
+        assert states[1].policy == states[0].policy == policy.jit_key(), states[1].policy
+        placed = shard_kv(states[0], mesh)
+        assert placed.policy == states[0].policy and placed.dtype == states[0].dtype
+        np.testing.assert_array_equal(placed.limit, states[0].limit)
+        a = jkv.generate(plain, [[3, 4], [5, 6, 7]], kv_state=states[0], max_new_tokens=8)
+        b = jkv.generate(sharded, [[3, 4], [5, 6, 7]], kv_state=states[1], max_new_tokens=8)
+        for x, y in zip(a, b):
+            assert x.tokens == y.tokens, (policy, x.tokens, y.tokens)
     ids = np.array([[3, 4, 5, 6, 7, 8]] * 2)
     np.testing.assert_allclose(jkv.logits(plain, ids), jkv.logits(sharded, ids), atol=1e-5)
     print("SHARDED-OK")

@@ -9,27 +9,28 @@ A policy acts at two moments:
                   `observe` records what the policy scores by (attention mass, window scores).
 
 Budgets are a token count (int >= 1) or a ratio of each row's prompt (float in (0, 1)). A row
-keeps `budget_tokens(len)` prompt tokens; the physical capacity (static, shared by the batch)
-is the largest row's budget rounded up to `ALIGN` slots, plus decode headroom for policies that
-do not evict. Sizes are plain Python (host side); selections run inside jit.
+keeps `budget_tokens(len)` prompt tokens; an evicting policy's budget is also the size of the
+row's cache while decoding, whatever the prompt (`row_limit`). Physical capacities (static,
+shared by the batch) are powers of two (`jkv.kv.bucket`) of the largest row's need, plus decode
+headroom for policies that do not evict; every row keeps and evicts by its own budget, so a
+row of a batch holds exactly what it would hold alone. Sizes are plain Python (host side);
+selections run inside jit, where the budget is per-row data (`Context.budgets`,
+`KVState.limit`) and the policy object is its `jit_key()`: a new budget never recompiles.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
+from collections.abc import Sequence
 from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jkv import kv as kvlib
-
-ALIGN = 16  # capacities are multiples of this: bounded recompiles as prompt lengths vary
-
-
-def round_up(n: int, align: int = ALIGN) -> int:
-    return -(-int(n) // align) * align
 
 
 def check_budget(budget) -> None:
@@ -50,8 +51,8 @@ def check_int(name: str, value, low: int = 0) -> None:
 class Context:
     """What `keep` knows about the batch being compressed (all traced arrays)."""
 
-    prompt_lengths: jax.Array  # [B] int32 real prompt tokens per row
-    budgets: jax.Array  # [B] int32 prompt tokens each row keeps
+    prompt_lengths: jax.Array  # [B] int32 real tokens per row
+    budgets: jax.Array  # [B] int32 tokens each row keeps
     now: jax.Array  # [B] int32 position of each row's last token
     num_layers: int
     sensitivity: jax.Array | None = None  # [B, L, K] float32 (EffiCache)
@@ -64,49 +65,69 @@ class KVPolicy:
     name: ClassVar[str] = "full"
     wants_mass: ClassVar[bool] = False  # accumulate attention mass into `LayerKV.scores`
     observes: ClassVar[bool] = False  # fills `LayerKV.scores` during prefill
-    evicts: ClassVar[bool] = False  # fixed capacity during decode (frees a slot per token)
+    evicts: ClassVar[bool] = False  # fixed size during decode (frees a slot per token)
     needs_sensitivity: ClassVar[bool] = False  # EffiCache: head sensitivity by jax.grad
+    raw_keys: ClassVar[bool] = False  # keys stored before RoPE, rotated by `cache_positions`
 
     budget: int | float | None = None
 
     def __post_init__(self):
         if self.budget is not None:
             check_budget(self.budget)
+        elif self.evicts:
+            raise ValueError(f"budget=None: {type(self).__name__} evicts to a budget; give one")
+
+    def jit_key(self) -> KVPolicy:
+        """The policy as compiled functions see it: its budget, which travels as per-row data,
+        cleared, so policies that differ only in budget share compiled code."""
+        key = copy.copy(self)
+        object.__setattr__(key, "budget", None)
+        return key
 
     # ---------------------------------------------------------------- sizes (host side)
-    def budget_tokens(self, prompt_len: int) -> int:
-        """Prompt tokens a row of `prompt_len` keeps."""
+    def row_limit(self, prompt_len: int) -> int:
+        """A row's budget in tokens: the int budget, or ceil(ratio * prompt_len). For an
+        evicting policy, the slots the row holds while decoding."""
         if self.budget is None:
             return prompt_len
         if isinstance(self.budget, float):
-            return max(1, min(prompt_len, math.ceil(self.budget * prompt_len)))
-        return min(prompt_len, self.budget)
+            return max(1, math.ceil(self.budget * prompt_len))
+        return self.budget
+
+    def budget_tokens(self, prompt_len: int) -> int:
+        """Prompt tokens a row of `prompt_len` keeps after prefill."""
+        return min(prompt_len, self.row_limit(prompt_len))
+
+    def row_budgets(self, prompt_lengths: Sequence[int]) -> np.ndarray:
+        """`[B]` int32 `budget_tokens` of each row (host side; passed into jit as data)."""
+        return np.array([self.budget_tokens(n) for n in prompt_lengths], np.int32)
+
+    def row_limits(self, prompt_lengths: Sequence[int]) -> np.ndarray:
+        """`[B]` int32 `KVState.limit` of each row."""
+        if not self.evicts:
+            return np.full(len(prompt_lengths), kvlib.NO_LIMIT, np.int32)
+        return np.array([self.row_limit(n) for n in prompt_lengths], np.int32)
 
     def layer_budget(self, layer: int, num_layers: int, budget: int) -> int:
         """A layer's share of a row's budget (PyramidKV overrides)."""
         return budget
 
-    def capacities(self, num_layers: int, context_len: int, max_new_tokens: int) -> tuple[int, ...]:
-        """Slots each layer allocates after compression for a longest prompt of `context_len`."""
-        b = self.budget_tokens(context_len)
-        headroom = 0 if self.evicts else max_new_tokens
+    def capacities(
+        self, num_layers: int, prompt_lengths: Sequence[int], max_new_tokens: int
+    ) -> tuple[int, ...]:
+        """Slots each layer allocates after compression for rows of `prompt_lengths`."""
+        if self.evicts:
+            return (kvlib.bucket(max(self.row_limits(prompt_lengths))),) * num_layers
+        b = int(max(self.row_budgets(prompt_lengths)))
+        extra = kvlib.headroom(max_new_tokens)
         return tuple(
-            round_up(self.layer_budget(i, num_layers, b)) + headroom for i in range(num_layers)
+            kvlib.bucket(self.layer_budget(i, num_layers, b)) + extra for i in range(num_layers)
         )
 
     def describe(self) -> dict:
         return {"name": self.name, **dataclasses.asdict(self)}
 
     # ---------------------------------------------------------------- inside jit
-    def row_budgets(self, prompt_lengths: jax.Array) -> jax.Array:
-        """`budget_tokens` for every row, traced: `[B]` int32."""
-        n = prompt_lengths.astype(jnp.int32)
-        if self.budget is None:
-            return n
-        if isinstance(self.budget, float):
-            return jnp.clip(jnp.ceil(self.budget * n).astype(jnp.int32), 1, n)
-        return jnp.minimum(n, self.budget)
-
     def keep(self, layer_index: int, layer: kvlib.LayerKV, ctx: Context) -> jax.Array:
         """`[B, K, S]` bool: the slots to keep after prefill."""
         return valid_slots(layer)
@@ -116,15 +137,17 @@ class KVPolicy:
         rebuild) returns the new layer of `capacity` slots; None: `keep`, then compact."""
         return None
 
-    def write_slots(self, layer: kvlib.LayerKV, q_pos: jax.Array) -> jax.Array | None:
-        """`[B, K]` slot for each row's new decode token, or None to append after the valid
-        slots (a non-evicting policy with headroom)."""
+    def write_slots(self, layer: kvlib.LayerKV, q_pos: jax.Array, limit: jax.Array):
+        """`[B, K]` slot for each row's new decode token (query position `q_pos` `[B]`, row
+        budgets `limit` `[B]`), or None to append after the valid slots (a non-evicting policy
+        with headroom)."""
         return None
 
     def cache_positions(self, layer: kvlib.LayerKV, q_pos: jax.Array):
-        """None, or (slot positions `[B, K, S]`, query positions `[B]`) to rotate by instead
-        of the original ones (StreamingLLM)."""
-        return None
+        """For a `raw_keys` policy: (slot positions `[B, K, S]`, query positions `[B, T]`) that
+        keys and queries are rotated by, given the layer after the new tokens (at original
+        positions `q_pos` `[B, T]`) were written."""
+        raise NotImplementedError(f"{type(self).__name__} stores rotated keys")
 
     def observe(self, layer_index, layer, q, positions, n_new, mass, backend="xla"):
         """Records what the policy scores by, after a layer's attention; returns the layer."""

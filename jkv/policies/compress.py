@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from jkv import kv as kvlib
 from jkv.policies.base import Context
+from jkv.policies.efficache import head_sensitivity
 from pallas_kernels import kv_compact, kv_compact_reference
 
 
@@ -20,40 +21,37 @@ def compact_fn(backend: str):
 
 # Not donated: the compacted arrays are smaller, so XLA could not reuse the prompt's buffers;
 # the caller drops its reference and they are freed right after.
-@functools.partial(jax.jit, static_argnames=("config", "policy", "capacities", "backend", "budget"))
+@functools.partial(jax.jit, static_argnames=("config", "policy", "capacities", "backend"))
 def compress(
     weights,
     config,
     state: kvlib.KVState,
     tokens,
     n_prompt,
+    budgets,
     *,
     policy,
     capacities: tuple[int, ...],
     backend: str = "xla",
-    budget: int | None = None,
 ) -> kvlib.KVState:
-    """Keeps each row's budget of its prompt's cache and frees the rest.
+    """Keeps each row's budget of its cache and frees the rest.
 
     Args:
       weights, config: the model (EffiCache differentiates it over the prompt).
       state: the prefilled state; its slots hold the prompt in order.
       tokens: `[B, T]` the prompt (padded), `n_prompt` `[B]` its real lengths.
-      policy: the `KVPolicy`.
+      budgets: `[B]` int32 slots each row keeps (`policy.row_budgets`, or an evicting
+        policy's `KVState.limit` when a continued state is cut back to size).
+      policy: the `KVPolicy.jit_key()`.
       capacities: slots per layer after compression (`policy.capacities(...)`).
       backend: "xla" (jnp compaction) or a Pallas backend (the `kv_compact` kernel).
-      budget: keep this many tokens per row instead of the policy's prompt budget (an
-        evicting policy squeezing a continued state back to its fixed capacity).
 
     Returns:
       The compressed state, its `policy` set so decode steps keep applying it.
     """
     sensitivity = None
     if policy.needs_sensitivity:
-        from jkv.policies.efficache import head_sensitivity
-
         sensitivity = head_sensitivity(weights, config, tokens, n_prompt)
-    budgets = policy.row_budgets(n_prompt) if budget is None else jnp.full_like(n_prompt, budget)
     ctx = Context(
         prompt_lengths=n_prompt,
         budgets=budgets,
@@ -63,8 +61,12 @@ def compress(
     )
     fn = compact_fn(backend)
     layers = []
+    previous = None
     for i, layer in enumerate(state.layers):
+        if previous is not None:  # one rebuild at a time (see segments.lowrank_store)
+            layer, _ = jax.lax.optimization_barrier((layer, previous))
         new = policy.rebuild(i, layer, ctx, capacities[i], backend)
+        previous = None if new is None or new.lowrank is None else new.lowrank.coef_k
         if new is None:
             new = kvlib.compact(layer, policy.keep(i, layer, ctx), capacities[i], compact_fn=fn)
         layers.append(new if policy.wants_mass else new.replace(scores=None))
@@ -77,4 +79,5 @@ def grow(state: kvlib.KVState, extra: int) -> kvlib.KVState:
     return state.replace(
         layers=tuple(kvlib.grow(x, extra) for x in state.layers),
         next_position=jnp.array(state.next_position, copy=True),
+        limit=jnp.array(state.limit, copy=True),
     )

@@ -49,12 +49,19 @@ class H2O(KVPolicy):
         now = ctx.now[:, None, None]
         return keep_recent_and_top(self._scores(layer, now), layer, b, jnp.minimum(self.recent, b))
 
-    def write_slots(self, layer, q_pos):
-        # Full: overwrite the lightest slot outside the recent window.
+    def write_slots(self, layer, q_pos, limit):
+        # Full: overwrite the lightest slot outside the protected ones. The protected window
+        # and first tokens are clamped so at least one slot is evictable: with a budget at or
+        # below `recent` the heavy-hitter part is empty and the oldest token leaves.
         now = q_pos[:, None, None]
-        evictable = valid_slots(layer) & (layer.positions < now - self.recent)
+        recent = jnp.minimum(self.recent, limit - 1)[:, None, None]
+        evictable = valid_slots(layer) & (layer.positions < now - recent)
         if self.scorer == "importance":
-            evictable &= layer.positions >= self.protect
-        light = jnp.argmin(jnp.where(evictable, self._scores(layer, now), jnp.inf), axis=-1)
-        full = layer.lengths >= layer.capacity
+            protect = jnp.minimum(self.protect, limit - 1 - recent[:, :, 0])[:, :, None]
+            evictable &= layer.positions >= protect
+        # Finite for every evictable slot (protected-first scores are inf), so argmin never
+        # lands on a slot outside `evictable`.
+        score = jnp.minimum(self._scores(layer, now), jnp.finfo(jnp.float32).max)
+        light = jnp.argmin(jnp.where(evictable, score, jnp.inf), axis=-1)
+        full = layer.lengths >= limit[:, None]
         return jnp.where(full, light, layer.lengths).astype(jnp.int32)

@@ -48,6 +48,11 @@ class Quantile(KVPolicy):
         object.__setattr__(self, "budget", 1.0 - float(self.q) if self.q > 0 else None)
         super().__post_init__()
 
+    def jit_key(self):
+        key = super().jit_key()
+        object.__setattr__(key, "q", 0.0)  # q only sets the budget, which is per-row data
+        return key
+
     def keep(self, layer_index, layer, ctx):
         norms = key_l1_norms(layer)
         score = norms if self.keep_norms == "high" else -norms

@@ -26,7 +26,7 @@ s holds token s), is rebuilt:
    gaps are often a few tokens long; per-gap factors would outweigh the tokens they replace and
    make the static store scale with the number of gaps.
 
-Sizes (host side, from the longest prompt n): ordinary slots round_up(budget_tokens(n)) plus
+Sizes (host side, n: the longest prompt's bucket): ordinary slots bucket(budget_tokens(n)) plus
 decode headroom, as SnapKV; the low-rank store M = ceil(max_middle / segment_len) segments of
 segment_len x R, R = min(max_rank, H, segment_len). max_middle: if k anchors fit the budget and
 k + 1 do not, the k + 1 first need > budget slots, hence > budget non-middle tokens, and one
@@ -192,9 +192,12 @@ def lowrank_store(layer, cls, shape, variance: float) -> kvlib.LowRank:
     if layer.k_scale is not None:
         k = k * layer.k_scale[..., None].astype(jnp.float32)
         v = v * layer.v_scale[..., None].astype(jnp.float32)
-    zeros = jnp.zeros((b, kh, m, seg_len, h), jnp.float32)
-    ck, bk_, rk = truncated_svd(zeros.at[bi, ki, grp, j].set(k, mode="drop"), variance, rank)
-    cv, bv, rv = truncated_svd(zeros.at[bi, ki, grp, j].set(v, mode="drop"), variance, rank)
+    zeros = jnp.zeros((2, b, kh, m, seg_len, h), jnp.float32)
+    groups = zeros.at[:, bi, ki, grp, j].set(jnp.stack([k, v]), mode="drop")
+    # One SVD call for K and V: jaxlib's CPU SVD blocks a pool thread while its batch runs on
+    # the others, so two concurrent SVDs deadlock a 2-thread pool (compress also serialises
+    # the layers' rebuilds).
+    (ck, cv), (bk_, bv), (rk, rv) = truncated_svd(groups, variance, rank)
     dtype = factor_dtype(layer.k.dtype)
     pos = jnp.full((b, kh, m, seg_len), -1, jnp.int32)
     return kvlib.LowRank(
@@ -269,11 +272,14 @@ class SnapKVSegments(SnapKV):
             bound = max(bound, n - self.n_anchors)
         return max(0, min(n, bound))
 
-    def capacities(self, num_layers, context_len, max_new_tokens):
-        m = max(1, -(-self.max_middle(context_len) // self.segment_len))
+    def capacities(self, num_layers, prompt_lengths, max_new_tokens):
+        # The bucket bounds every row's middle (n - budget_tokens(n) never falls as n grows)
+        # and keeps the store's shape, hence compilation, to one per bucket.
+        n = kvlib.bucket(max(prompt_lengths))
+        m = max(1, -(-self.max_middle(n) // self.segment_len))
         return tuple(
             SegmentCapacity(s, segments=m, segment_len=self.segment_len, max_rank=self.max_rank)
-            for s in super().capacities(num_layers, context_len, max_new_tokens)
+            for s in super().capacities(num_layers, prompt_lengths, max_new_tokens)
         )
 
     # ---------------------------------------------------------------- inside jit

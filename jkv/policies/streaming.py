@@ -2,9 +2,15 @@
 
 The first `sink` tokens and the most recent `budget - sink` stay; once the cache is full each new
 token overwrites the oldest non-sink slot, so memory is constant however long generation runs.
-Keys are re-rotated to their positions *within the cache* (sinks 0..sink-1, then the window
-contiguously), and so is the query: relative distances never exceed the cache size, which is
-what lets generation continue far past the model's trained context.
+Keys are stored before RoPE and rotated on read to their positions *within the cache* (sinks
+0..sink-1, then the window contiguously), and so is the query: relative distances never exceed
+the cache size, which is what lets generation continue far past the model's trained context.
+Angles stay small however far the text has run (no re-rotation of rotated keys by large
+negative deltas, which loses float32 precision past a million tokens).
+
+Several new tokens at once (a prefill chunk, a continued state) attend as contiguous text after
+the cache, then the cache is cut back to its budget: eviction per chunk; one token at a time it
+is the paper's rule exactly.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ class StreamingLLM(KVPolicy):
 
     name: ClassVar[str] = "streaming"
     evicts: ClassVar[bool] = True
+    raw_keys: ClassVar[bool] = True
 
     budget: int | float = 256
     sink: int = 4
@@ -42,21 +49,27 @@ class StreamingLLM(KVPolicy):
         sink = jnp.minimum(self.sink, b)
         return keep_recent_and_top(jnp.zeros(layer.positions.shape), layer, b, b - sink, sink)
 
-    def write_slots(self, layer, q_pos):
-        # Full: overwrite the oldest token that is not a sink (positions of sinks are < sink).
-        evictable = valid_slots(layer) & (layer.positions >= self.sink)
+    def write_slots(self, layer, q_pos, limit):
+        # Full: overwrite the oldest token that is not a sink (positions of sinks are < sink);
+        # a budget of `sink` or less keeps `limit - 1` sinks, so one slot always turns over.
+        sink = jnp.minimum(self.sink, limit - 1)[:, None, None]
+        evictable = valid_slots(layer) & (layer.positions >= sink)
         oldest = jnp.argmin(jnp.where(evictable, layer.positions, _BIG), axis=-1)
-        full = layer.lengths >= layer.capacity
+        full = layer.lengths >= limit[:, None]
         return jnp.where(full, oldest, layer.lengths).astype(jnp.int32)
 
     def cache_positions(self, layer, q_pos):
         # The window is contiguous text: its rank is sink + (position - oldest window position).
         valid = valid_slots(layer)
         window = valid & (layer.positions >= self.sink)
-        w_min = jnp.min(jnp.where(window, layer.positions, _BIG), axis=-1, keepdims=True)
+        w_min = jnp.min(jnp.where(window, layer.positions, _BIG), axis=-1)  # [B, K]
         w_min = jnp.where(w_min == _BIG, self.sink, w_min)  # no window yet: identity
         ranks = jnp.where(
-            layer.positions < self.sink, layer.positions, self.sink + layer.positions - w_min
+            layer.positions < self.sink,
+            layer.positions,
+            self.sink + layer.positions - w_min[..., None],
         )
-        q_rank = jnp.where(q_pos < self.sink, q_pos, self.sink + q_pos - w_min[:, 0, 0])
+        # Every kv head holds the same tokens (the rule ignores content): head 0 speaks for all.
+        w0 = w_min[:, :1]  # [B, 1]
+        q_rank = jnp.where(q_pos < self.sink, q_pos, self.sink + q_pos - w0)
         return jnp.where(valid, ranks, 0), q_rank

@@ -101,9 +101,3 @@ def test_config_validation(change, match):
     base = preset("smollm2-135m")
     with pytest.raises(ValueError, match=match):
         base.replace(**change)
-
-
-def test_kv_bytes_per_token():
-    cfg = preset("llama-3.1-8b")
-    assert cfg.kv_bytes_per_token("bfloat16") == 2 * 32 * 8 * 128 * 2 == 131072
-    assert cfg.kv_bytes_per_token("float8_e4m3fn") == 65536

@@ -37,7 +37,9 @@ def _cached_logits(params, cfg, tokens, chunks):
         piece = tokens[:, start : start + size]
         n_new = jnp.array([size], jnp.int32)
         pos = state.next_position[:, None] + jnp.arange(size)
-        attend = attention.make_attention(n_new, sliding_window=cfg.sliding_window)
+        attend = attention.make_attention(
+            n_new, sliding_window=cfg.sliding_window, inv_freq=jnp.asarray(cfg.inv_freq())
+        )
         logits, layers = forward(params, cfg, piece, pos, state.layers, attend)
         state = state.replace(layers=layers, next_position=state.next_position + n_new)
         out.append(logits)

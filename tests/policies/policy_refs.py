@@ -33,11 +33,20 @@ def random_layer(rng, b=3, kh=2, s=40, h=8, *, lengths=None, shuffled=False):
     )
 
 
+def traced_budgets(policy, n):
+    """`policy.row_budgets` for traced lengths `n` `[B]` (the host rule, in jnp)."""
+    if policy.budget is None:
+        return n
+    if isinstance(policy.budget, float):
+        return jnp.clip(jnp.ceil(policy.budget * n).astype(jnp.int32), 1, n)
+    return jnp.minimum(n, policy.budget)
+
+
 def context(layer, policy, num_layers=4, sensitivity=None):
     n = layer.lengths[:, 0]
     return Context(
         prompt_lengths=n,
-        budgets=policy.row_budgets(n),
+        budgets=traced_budgets(policy, n),
         now=n - 1,
         num_layers=num_layers,
         sensitivity=sensitivity,

@@ -10,20 +10,23 @@ from jkv.cli import main
 
 def test_seed_worked_example():
     # b=8, L=2048, 32 heads, d=128, fp16: 268,435,456 bytes per layer
-    r = jkv.memory("llama-2-7b", 8, 2048, kv_dtype="float16")
+    r = jkv.memory("llama-2-7b", 8, 2048, max_new_tokens=0, kv_dtype="float16")
     assert r.per_layer[0] == 268_435_456 == 2 * 8 * 2048 * 32 * 128 * 2
     assert int(r) == 32 * 268_435_456
 
 
 def test_gqa_and_fp8_and_snapkv_savings():
-    bf16 = jkv.memory("llama-3.1-8b", 1, 131072, kv_dtype="bfloat16")
+    bf16 = jkv.memory("llama-3.1-8b", 1, 131072, max_new_tokens=0, kv_dtype="bfloat16")
     assert bf16.per_layer[0] == 2 * 131072 * 8 * 128 * 2  # 8 kv heads, not 32
-    fp8 = jkv.memory("llama-3.1-8b", 1, 131072, kv_dtype="float8_e4m3fn")
+    fp8 = jkv.memory("llama-3.1-8b", 1, 131072, max_new_tokens=0, kv_dtype="float8_e4m3fn")
     assert 1 - fp8.total / bf16.total >= 0.49  # the seed claims 47.2%
     snap = jkv.memory(
         "llama-3.1-8b", 1, 131072, kv_dtype="float8_e4m3fn", kv_policy="snapkv", kv_budget=0.1
     )
-    assert 1 - snap.total / bf16.total >= 0.945
+    # 13,108 kept tokens, allocated as a power of two (16,384) plus the decode headroom's 64:
+    # the allocation saves 93.6%; the kept tokens alone would save 94.8%.
+    assert snap.slots[0] == 16384 + 64
+    assert 1 - snap.total / bf16.total >= 0.935
 
 
 def test_policies_size_as_documented():
@@ -51,7 +54,10 @@ def test_bad_arguments(args, match):
 
 def test_cli(capsys):
     assert (
-        main(["memory", "llama-2-7b", "--batch", "8", "--seq-len", "2048", "--kv-dtype", "float16"])
+        main(
+            ["memory", "llama-2-7b", "--batch", "8", "--seq-len", "2048", "--kv-dtype", "float16"]
+            + ["--max-new-tokens", "0"]
+        )
         == 0
     )
     out = capsys.readouterr().out

@@ -55,10 +55,37 @@ def test_policy_generates_on_ragged_batch(params, name, kv_dtype):
     assert out[0].stats["kv_capacity"] == list(want.slots)
 
 
-def test_full_cache_bytes_equal_memory(params):
-    out = jkv.generate(params, _prompts(params, [40, 23]), max_new_tokens=6, kv_dtype="bfloat16")
-    want = jkv.memory(params, 2, gen.bucket(40), max_new_tokens=6, kv_dtype="bfloat16")
-    assert out[0].kv_bytes == want.total
+def _live_kv_bytes(state) -> int:
+    """K, V, fp8 scales, slot biases and low-rank factors, read off the arrays themselves."""
+    total = 0
+    for layer in state.layers:
+        for x in (layer.k, layer.v, layer.k_scale, layer.v_scale, layer.bias):
+            total += 0 if x is None else x.size * x.dtype.itemsize
+        lr = layer.lowrank
+        if lr is not None:
+            total += sum(
+                x.size * x.dtype.itemsize for x in (lr.coef_k, lr.basis_k, lr.coef_v, lr.basis_v)
+            )
+    return total
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("name", ["full", "streaming", "snapkv_segments", "h2o", "pyramidkv"])
+def test_kv_bytes_are_the_live_arrays_and_memory_predicts_them(params, name, kv_dtype):
+    """Same request settings (generate's defaults included), same bytes: no hand-picked
+    arguments for jkv.memory."""
+    prompts = _prompts(params, [37, 11, 25], seed=4)
+    kw = dict(kv_dtype=kv_dtype, kv_policy=name)
+    if name != "full":
+        kw["kv_budget"] = 0.4
+    req = gen.Request.build(params, **{**gen._GENERATE_DEFAULTS, **kw})
+    session = gen.Session(params, prompts, req)
+    session.run()
+    result = session.results()[0]
+    assert result.kv_bytes == _live_kv_bytes(session.state.kv)
+    predicted = jkv.memory(params, len(prompts), max(map(len, prompts)), **kw)
+    assert predicted.total == result.kv_bytes
+    assert list(predicted.slots) == result.stats["kv_capacity"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -116,7 +143,9 @@ def test_streaming_past_trained_context_compiles_once_constant_bytes(tiny_params
     assert int(session.state.kv.next_position[0]) >= steps
     assert len(sizes) == 1  # constant memory
     assert gen.decode._cache_size() - before <= 1  # one compiled decode loop
-    pos = np.asarray(session.state.kv.layers[0].positions[0, 0])
+    layer = session.state.kv.layers[0]
+    pos = np.asarray(layer.positions[0, 0])[: int(layer.lengths[0, 0])]
+    assert len(pos) == 24  # the budget, not the (bucketed) capacity
     assert sorted(pos)[:4] == [0, 1, 2, 3] and pos.max() == steps + 10 - 2  # sinks + window
 
 

@@ -159,7 +159,7 @@ def _rebuilt(rng, policy, *, dtype="float32", b=3, kh=2, s=40, h=16, low_rank_ke
         layer = layer.replace(k=k, v=v, k_scale=ks, v_scale=vs)
     elif dtype != "float32":
         layer = layer.replace(k=layer.k.astype(dtype), v=layer.v.astype(dtype))
-    cap = policy.capacities(1, s, 4)[0]
+    cap = policy.capacities(1, [s], 4)[0]
     return layer, rebuilder(policy, cap)(layer), cap
 
 
@@ -271,7 +271,9 @@ def test_merged_slots_hold_means_and_log_counts(rng):
             )
             assert bias[i, j, c] == pytest.approx(math.log(cnt))
             assert new.positions[i, j, c] == s0 + cnt - 1
-    report = segment_report(kvlib.KVState(layers=(new,), next_position=layer.lengths[:, 0]))
+    report = segment_report(
+        kvlib.KVState(layers=(new,), next_position=layer.lengths[:, 0], limit=layer.lengths[:, 0])
+    )
     total = int(np.asarray(layer.lengths).sum())
     parts = report["anchor"]["tokens"] + report["transition"]["tokens"] + report["middle"]["tokens"]
     assert parts == total
@@ -284,7 +286,9 @@ def test_merged_slots_hold_means_and_log_counts(rng):
 def test_state_fields_follow_append_grow_compact_and_bytes(rng):
     policy = POLICY
     _, new, cap = _rebuilt(rng, policy)
-    state = kvlib.KVState(layers=(new,), next_position=jnp.full((3,), 40, jnp.int32))
+    state = kvlib.KVState(
+        layers=(new,), next_position=jnp.full((3,), 40, jnp.int32), limit=jnp.full((3,), 40)
+    )
     m, seg_len, r = cap.store_shape(16)
     factors = 2 * 3 * 2 * m * (seg_len * r + r * 16) * 4
     assert kvlib.nbytes(state) == new.k.nbytes * 2 + new.bias.nbytes + factors
@@ -323,11 +327,13 @@ def test_state_fields_follow_append_grow_compact_and_bytes(rng):
 
 def test_capacities_are_static_and_match_memory():
     p = SnapKVSegments(budget=256, segment_len=64)
-    cap = p.capacities(2, 2048, 32)[0]
+    cap = p.capacities(2, [2048], 32)[0]
     assert isinstance(cap, SegmentCapacity) and cap == 256 + 32 and int(cap) == 288
     assert cap.store_shape(128) == (-(-(2048 - 256 + 10) // 64), 64, 16)
-    assert hash(cap) != hash(p.capacities(2, 1024, 32)[0]) or cap != p.capacities(2, 1024, 32)[0]
-    assert p.capacities(1, 100, 0)[0] == SnapKVSegments(budget=256).capacities(1, 100, 0)[0]
+    assert (
+        hash(cap) != hash(p.capacities(2, [1024], 32)[0]) or cap != p.capacities(2, [1024], 32)[0]
+    )
+    assert p.capacities(1, [100], 0)[0] == SnapKVSegments(budget=256).capacities(1, [100], 0)[0]
     assert resolve("snapkv_segments", 0.25) == SnapKVSegments(budget=0.25)
 
 

@@ -49,7 +49,7 @@ def test_snapkv_family(rng, cls, budget):
 
 def test_pyramid_budgets_shrink_with_depth_and_average_the_budget():
     p = PyramidKV(budget=100, beta=5.0)
-    caps = p.capacities(8, 1000, 0)
+    caps = p.capacities(8, [1000], 0)
     assert list(caps) == sorted(caps, reverse=True) and caps[0] > caps[-1]
     assert abs(sum(p.layer_budget(i, 8, 100) for i in range(8)) / 8 - 100) < 2
 
@@ -153,20 +153,22 @@ def test_quantile_is_per_head(rng, keep_norms):
 
 def test_streaming_write_slot_evicts_oldest_non_sink(rng):
     layer = random_layer(rng, b=2, kh=2, s=12, lengths=np.full((2, 2), 12), shuffled=True)
-    slot = np.asarray(StreamingLLM(budget=12, sink=4).write_slots(layer, jnp.array([99, 99])))
+    full = jnp.array([12, 12])
+    slot = np.asarray(StreamingLLM(budget=12, sink=4).write_slots(layer, jnp.array([99, 99]), full))
     pos = np.asarray(layer.positions)
     for i in range(2):
         for j in range(2):
             cands = [s for s in range(12) if pos[i, j, s] >= 4]
             assert slot[i, j] == min(cands, key=lambda s: pos[i, j, s])
     not_full = random_layer(rng, b=1, kh=2, s=12, lengths=np.full((1, 2), 7))
-    assert np.all(np.asarray(StreamingLLM(budget=12).write_slots(not_full, jnp.array([7]))) == 7)
+    slot = StreamingLLM(budget=12).write_slots(not_full, jnp.array([7]), jnp.array([12]))
+    assert np.all(np.asarray(slot) == 7)
 
 
 def test_h2o_write_slot_evicts_lightest_outside_recent(rng):
     layer = random_layer(rng, b=2, kh=2, s=10, lengths=np.full((2, 2), 10))
     now = jnp.array([10, 10])
-    slot = np.asarray(H2O(budget=10, recent=3).write_slots(layer, now))
+    slot = np.asarray(H2O(budget=10, recent=3).write_slots(layer, now, jnp.array([10, 10])))
     scores, pos = np.asarray(layer.scores), np.asarray(layer.positions)
     for i in range(2):
         for j in range(2):
