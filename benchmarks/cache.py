@@ -370,7 +370,7 @@ def generate_cases(url: str, prompts: list[str], reps: int, zipf: float) -> dict
 def hit_vs_generation(redis_url: str, reps: int = 5) -> dict:
     """One jkv.generate call on the model vs the same call answered by L1 and by L2."""
     import jkv
-    from models.haystack import make_example
+    from jkv_models.haystack import make_example
 
     params = jkv.load("demo")
     ctx = params.config.max_position_embeddings

@@ -72,7 +72,7 @@ def bench_config(
     import transformers
 
     import jkv
-    from models.tiny_hf import write_tiny_checkpoint
+    from jkv_models.tiny_hf import write_tiny_checkpoint
 
     folder = write_tiny_checkpoint(
         workdir / name, "llama", max_position_embeddings=2048, initializer_range=0.02, **spec

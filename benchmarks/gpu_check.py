@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import pallas_kernels as pk
+import jkv_kernels as pk
 
 FP8 = jnp.float8_e4m3fn
 L2_BYTES = 256 << 20  # rotate inputs until at least this much is cycled through

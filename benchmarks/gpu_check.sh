@@ -5,7 +5,12 @@
 # Installs nothing. Python: $PYTHON if set, else the repo's .venv if present, else python3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# Uninstalled checkout: `models/` and `pallas_kernels/` import as `jkv_models` and `jkv_kernels`
+# (their installed names), so link them under those names in a scratch folder on the path.
+names="$(mktemp -d)"
+ln -s "$PWD/models" "$names/jkv_models"
+ln -s "$PWD/pallas_kernels" "$names/jkv_kernels"
+export PYTHONPATH="$PWD:$names${PYTHONPATH:+:$PYTHONPATH}"
 if [[ -n "${PYTHON:-}" ]]; then
   py="$PYTHON"
 elif [[ -x .venv/bin/python ]]; then

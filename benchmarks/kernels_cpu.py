@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import pallas_kernels as pk  # noqa: E402
+import jkv_kernels as pk  # noqa: E402
 
 KH, G, W = 8, 4, 32  # kv heads, query heads per kv head, SnapKV window
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}

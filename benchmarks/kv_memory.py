@@ -84,7 +84,7 @@ def decode_speed(lengths, prompt_len: int, settings):
     import numpy as np
 
     import jkv
-    from models.tiny_hf import write_tiny_checkpoint
+    from jkv_models.tiny_hf import write_tiny_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_tiny_checkpoint(

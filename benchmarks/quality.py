@@ -45,7 +45,7 @@ KVPRESS_FOR = {  # the kvpress press of the same method, for the side-by-side ro
 # ---------------------------------------------------------------------------- data
 def haystack_examples(seed: int, n: int, context: int, facts: int):
     """`n` (context, question, answer) triples: each prompt split at its last "Question :"."""
-    from models.haystack import split_examples
+    from jkv_models.haystack import split_examples
 
     return split_examples(seed, n, context, facts)
 
@@ -54,7 +54,7 @@ def filler_texts(seed: int, n: int, context: int, continuation: int):
     """(prompt, held-out continuation) pairs of plain filler."""
     import numpy as np
 
-    from models.haystack import make_filler
+    from jkv_models.haystack import make_filler
 
     rng = np.random.default_rng(seed)
     out = []
@@ -194,7 +194,7 @@ def beyond_context(params, trained: int, times: int, *, window: int = 64, seed: 
 
     from jkv.policies import StreamingLLM
     from jkv.prefill import stream_score
-    from models.haystack import make_filler
+    from jkv_models.haystack import make_filler
 
     text = make_filler(np.random.default_rng(seed), trained * times - 1)  # + <s>
     out = {"trained_context": trained, "tokens": trained * times, "window": window, "runs": {}}
@@ -378,9 +378,9 @@ def load_model(name: str):
 
     from jkv.params import Params, fingerprint
     from jkv.tokenizer import Tokenizer
-    from models.config import ModelConfig
-    from models.demo_tokenizer import build_tokenizer
-    from models.llama import init_params
+    from jkv_models.config import ModelConfig
+    from jkv_models.demo_tokenizer import build_tokenizer
+    from jkv_models.llama import init_params
 
     tok = build_tokenizer()
     cfg = ModelConfig(

@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # models.haystack, when run as a script
+sys.path.insert(0, str(ROOT))  # this checkout's jkv first, when run as a script
 
 RATIOS = (0.05, 0.1, 0.25, 0.5)
 MODES = ("agnostic", "aware")
@@ -464,7 +464,7 @@ def free_text(
 # ------------------------------------------------------------------------------------ CLI
 def haystack_examples(seed: int, n: int, context: int, facts: int):
     """`n` (context, question, answer) triples: each prompt split at its last "Question :"."""
-    from models.haystack import split_examples
+    from jkv_models.haystack import split_examples
 
     return split_examples(seed, n, context, facts)
 

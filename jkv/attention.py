@@ -32,14 +32,14 @@ import jax
 import jax.numpy as jnp
 
 from jkv import kv as kvlib
-from models.llama import rope
-from pallas_kernels import (
+from jkv_kernels import (
     combine_attention,
     decode_attention,
     lowrank_attention,
     quantize_append,
     quantize_append_reference,
 )
+from jkv_models.llama import rope
 
 BACKENDS = ("xla", "pallas", "pallas_interpret")
 _MASKED = -1e30  # finite: a fully masked row stays NaN-free

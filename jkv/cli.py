@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from models.config import ModelConfig, preset
+from jkv_models.config import ModelConfig, preset
 
 KV_DTYPES = ("float32", "bfloat16", "float8_e4m3fn")
 

@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=3)
     parser.add_argument("--ratio", type=float, default=0.25, help="kept fraction of the prompt")
     args = parser.parse_args(argv)
-    from models.haystack import make_example, make_filler
+    from jkv_models.haystack import make_example, make_filler
 
     params = jkv.load("demo")
     cfg = params.config

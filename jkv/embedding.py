@@ -18,7 +18,7 @@ import numpy as np
 from jkv.cache.embed import KMeansClusterer
 from jkv.params import Params
 from jkv.prefill import bucket, encode_prompts
-from models.llama import hidden_states
+from jkv_models.llama import hidden_states
 
 
 @functools.partial(jax.jit, static_argnames=("config",))

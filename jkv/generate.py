@@ -27,8 +27,8 @@ from jkv.params import Params
 from jkv.prefill import encode_prompts, prepare
 from jkv.sampling import Sampling, SamplingArrays, check_seed, sample
 from jkv.tokenizer import StreamDecoder
-from models.config import ModelConfig
-from models.llama import forward
+from jkv_models.config import ModelConfig
+from jkv_models.llama import forward
 
 Prompt = str | Sequence[int]
 STOP_CHECK_EVERY = 16  # decode steps between host-side stop-string checks

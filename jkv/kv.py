@@ -188,7 +188,7 @@ def append(
     `start[b, k] + t`, by default right after the valid slots (`start=lengths`); an evicting
     policy passes the slot it frees instead. fp8 storage goes through
     `quantize_append(cache, scale, new [B, K, T, H], start [B, K], n_new [B])` (the
-    `pallas_kernels.kv_quantize` kernel or its reference), which returns (cache, scale).
+    `jkv_kernels.kv_quantize` kernel or its reference), which returns (cache, scale).
     """
     b, t, kh, _ = k_new.shape
     start = layer.lengths if start is None else start
@@ -231,11 +231,11 @@ def compact(layer: LayerKV, keep: jax.Array, capacity: int, *, compact_fn) -> La
     in a new cache of `capacity` slots: what is dropped is gone from memory.
 
     The selection travels as a bit-packed mask (seed 2.5) to `compact_fn`, which is
-    `pallas_kernels.kv_compact` or its reference; the policy scores and slot biases follow the
+    `jkv_kernels.kv_compact` or its reference; the policy scores and slot biases follow the
     same gather, a low-rank store is kept as it is. A capacity above the current one compacts
     in place, then adds empty slots.
     """
-    from pallas_kernels import mask_to_indices, pack_mask
+    from jkv_kernels import mask_to_indices, pack_mask
 
     inner = min(capacity, layer.capacity)
     keep = keep & (jnp.arange(layer.capacity) < layer.lengths[:, :, None])

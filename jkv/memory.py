@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jkv import kv as kvlib
 from jkv import policies
 from jkv.params import Params
-from models.config import ModelConfig, preset
+from jkv_models.config import ModelConfig, preset
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,7 @@ import numpy as np
 
 from jkv.kv import KV_DTYPES
 from jkv.tokenizer import Tokenizer
-from models.config import ModelConfig
+from jkv_models.config import ModelConfig
 
 _FINGERPRINTS: dict[tuple, tuple[str, list]] = {}  # (treedef, leaf ids) -> (digest, weakrefs)
 _FINGERPRINTS_LOCK = threading.Lock()

@@ -21,8 +21,8 @@ from jkv import policies
 from jkv.kv import bucket, headroom
 from jkv.params import Params
 from jkv.policies.compress import compress, grow
-from models.config import ModelConfig
-from models.llama import forward
+from jkv_models.config import ModelConfig
+from jkv_models.llama import forward
 
 
 @functools.partial(

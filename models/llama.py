@@ -20,7 +20,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.config import ModelConfig
+from jkv_models.config import ModelConfig
 
 # attention(layer, q [B,T,N,H], k [B,T,K,H], v [B,T,K,H], positions [B,T], cache) -> (out, cache)
 # q and k arrive rotated by RoPE at `positions`, or as they left the projections when the

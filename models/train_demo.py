@@ -1,8 +1,8 @@
 """Trains jkv's demo model (a small Llama) on the haystack retrieval task; writes a jkv folder.
 
-  python -m models.train_demo --out tmp/demo-train              # train from scratch
-  python -m models.train_demo --out tmp/demo-train --resume     # continue exactly where it stopped
-  python -m models.train_demo --eval-only --final tmp/demo-final  # held-out accuracies
+  python -m jkv_models.train_demo --out tmp/demo-train              # train from scratch
+  python -m jkv_models.train_demo --out tmp/demo-train --resume     # continue exactly where it stopped
+  python -m jkv_models.train_demo --eval-only --final tmp/demo-final  # held-out accuracies
 
 Recipe (from a measured trial, shared/notes/demo-training.md): AdamW with warm-up and cosine
 decay, global-norm clipping, weight decay on matrices; loss on every token with the 5 answer
@@ -35,9 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from models import demo_tokenizer, haystack
-from models.config import ModelConfig
-from models.llama import forward, init_params, param_shapes
+from jkv_models import demo_tokenizer, haystack
+from jkv_models.config import ModelConfig
+from jkv_models.llama import forward, init_params, param_shapes
 
 # (seq_len T, min facts, max facts); the curriculum is the prefix up to --context.
 STAGES = ((64, 1, 2), (64, 2, 4), (128, 1, 4), (128, 1, 8), (256, 1, 8), (512, 1, 8), (1024, 1, 8))
@@ -147,9 +147,9 @@ ATTENTION_BLOCK = 128
 def training_attention(layer, q, k, v, positions, cache):
     """Causal attention for rows at positions 0..T-1, in query blocks that skip masked keys.
 
-    The same maths as the model's own causal attention (`models.llama.causal_attention`), but
+    The same maths as the model's own causal attention (`jkv_models.llama.causal_attention`), but
     query block i reads only keys < (i + 1) * block: about 40% less time per step at T=512 on CPU.
-    Same signature as `models.llama.AttentionFn`; `positions` must be `arange(T)` per row.
+    Same signature as `jkv_models.llama.AttentionFn`; `positions` must be `arange(T)` per row.
     """
     del layer, positions
     b, t, n, h = q.shape  # [B, T, N, H]

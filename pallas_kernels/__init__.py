@@ -8,8 +8,8 @@ The KV cache is K, V [B, K, S, H] with valid lengths [B, K] (slots 0..len-1 are 
 This package never imports `jkv` or `models`: every kernel is usable and testable alone.
 """
 
-from pallas_kernels.decode_attention import decode_attention, decode_attention_reference
-from pallas_kernels.kv_compact import (
+from jkv_kernels.decode_attention import decode_attention, decode_attention_reference
+from jkv_kernels.kv_compact import (
     Compacted,
     kv_compact,
     kv_compact_reference,
@@ -17,32 +17,32 @@ from pallas_kernels.kv_compact import (
     pack_mask,
     unpack_mask,
 )
-from pallas_kernels.kv_quantize import (
+from jkv_kernels.kv_quantize import (
     dequantize_reference,
     quantize,
     quantize_append,
     quantize_append_reference,
     quantize_reference,
 )
-from pallas_kernels.lowrank_attention import (
+from jkv_kernels.lowrank_attention import (
     combine_attention,
     lowrank_attention,
     lowrank_attention_reference,
 )
-from pallas_kernels.paged_decode_attention import (
+from jkv_kernels.paged_decode_attention import (
     gather_pages,
     paged_decode_attention,
     paged_decode_attention_reference,
 )
-from pallas_kernels.prefill_attention import (
+from jkv_kernels.prefill_attention import (
     prefill_attention,
     prefill_attention_blocked,
     prefill_attention_mass,
     prefill_attention_mass_reference,
     prefill_attention_reference,
 )
-from pallas_kernels.segment_merge import Merged, segment_merge, segment_merge_reference
-from pallas_kernels.window_scores import window_scores, window_scores_reference
+from jkv_kernels.segment_merge import Merged, segment_merge, segment_merge_reference
+from jkv_kernels.window_scores import window_scores, window_scores_reference
 
 __all__ = [
     "gather_pages",

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _backend as bk
+from jkv_kernels import _backend as bk
 
 # Two waves of programs on a 132-SM GPU (H100/H200) keep every SM busy for one long row.
 _TARGET_PROGRAMS = 264

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _backend as bk
+from jkv_kernels import _backend as bk
 
 
 class Compacted(NamedTuple):

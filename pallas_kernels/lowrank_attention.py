@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _backend as bk
+from jkv_kernels import _backend as bk
 
 _FACTORS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 

@@ -51,8 +51,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _backend as bk
-from pallas_kernels.decode_attention import (
+from jkv_kernels import _backend as bk
+from jkv_kernels.decode_attention import (
     _combine,
     apply_rope_reference,
     decode_attention_reference,

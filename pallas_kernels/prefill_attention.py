@@ -47,8 +47,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _backend as bk
-from pallas_kernels.decode_attention import apply_rope_reference
+from jkv_kernels import _backend as bk
+from jkv_kernels.decode_attention import apply_rope_reference
 
 _STORAGE = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), bk.FP8)
 _I32_MIN = int(jnp.iinfo(jnp.int32).min)

@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _backend as bk
-from pallas_kernels.kv_quantize import _quantize_block, quantize_reference
+from jkv_kernels import _backend as bk
+from jkv_kernels.kv_quantize import _quantize_block, quantize_reference
 
 _STORAGE = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), bk.FP8)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from models.tiny_hf import KINDS, write_tiny_checkpoint
+from jkv_models.tiny_hf import KINDS, write_tiny_checkpoint
 
 ALL_KINDS = sorted(KINDS)
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jkv
-from models.config import ModelConfig
+from jkv_models.config import ModelConfig
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jkv_models
 from jkv.checkpoints.hf import load_hf
 from jkv.checkpoints.names import choose_name
 from jkv.checkpoints.orbax import is_saved, load_saved, read_meta, save, stored_name
@@ -63,7 +64,8 @@ def _checkpoint_folder(path: str | Path) -> Path:
     return folder
 
 
-DEMO_DIR = Path(__file__).resolve().parents[2] / "models" / "demo"
+# `models/demo` in the repository, installed with the package as `jkv_models/demo`.
+DEMO_DIR = Path(jkv_models.__file__).resolve().parent / "demo"
 
 
 def load_demo(*, name=None, dtype=None, mesh=None) -> Params:

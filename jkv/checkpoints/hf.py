@@ -19,7 +19,7 @@ from jkv.checkpoints.finite import check_tensor
 from jkv.checkpoints.names import choose_name
 from jkv.params import Params, combine_digests, tensor_digest
 from jkv.tokenizer import Tokenizer, read_special_ids
-from models.config import ModelConfig
+from jkv_models.config import ModelConfig
 
 # (HF name, our path, HF shape(config), transform(array, config)); `{i}` is the layer index.
 _Rule = tuple[
@@ -160,7 +160,7 @@ _BY_PATH = [(_pattern(rule[1]), rule) for rule in TABLE]
 def expected_paths(config: ModelConfig) -> set[str]:
     """Every parameter path the model needs (from the model definition, not the table)."""
     from jkv.params import path_str
-    from models.llama import param_shapes
+    from jkv_models.llama import param_shapes
 
     leaves = jax.tree_util.tree_flatten_with_path(param_shapes(config))[0]
     return {path_str(p) for p, _ in leaves}

@@ -21,7 +21,7 @@ from jkv.checkpoints.finite import check_tree
 from jkv.checkpoints.names import choose_name
 from jkv.params import Params
 from jkv.tokenizer import Tokenizer
-from models.config import ModelConfig, RopeScaling
+from jkv_models.config import ModelConfig, RopeScaling
 
 FORMAT = 1
 MARKER = "jkv.json"
@@ -88,7 +88,7 @@ def load_saved(
     import orbax.checkpoint as ocp
 
     from jkv import sharding
-    from models.llama import param_shapes
+    from jkv_models.llama import param_shapes
 
     folder = Path(folder).resolve()
     meta = read_meta(folder)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jkv import kv as kvlib
 from jkv.policies.base import Context
 from jkv.policies.efficache import head_sensitivity
-from pallas_kernels import kv_compact, kv_compact_reference
+from jkv_kernels import kv_compact, kv_compact_reference
 
 
 def compact_fn(backend: str):

@@ -29,7 +29,7 @@ from jkv.policies.snapkv import SnapKV
 
 def head_sensitivity(weights, config, tokens, n_prompt):
     """`[B, L, K]` float32: |d loss / d head gate| per kv head (summed over its query heads)."""
-    from models.llama import causal_attention, forward
+    from jkv_models.llama import causal_attention, forward
 
     b, t = tokens.shape
     nl, n, kh = config.num_layers, config.num_heads, config.num_kv_heads

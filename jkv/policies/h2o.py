@@ -2,7 +2,7 @@
 attention, plus the most recent ones; evict the lowest every decode step at a fixed budget.
 
 Attention mass is accumulated per slot from the prompt's queries and then from every decode
-step (the `return_mass` output of `pallas_kernels.decode_attention`, read in the same pass as
+step (the `return_mass` output of `jkv_kernels.decode_attention`, read in the same pass as
 the attention itself). With `scorer="importance"` the mass is normalised by how many queries
 could see each token and the first `protect` tokens are kept (seed 2.2).
 """

@@ -15,7 +15,7 @@ s holds token s), is rebuilt:
    kept whole, one slot per token; transition (d <= anchor_radius + transition_len): each
    maximal run of transition tokens is cut into groups, token j (from 0) joining group
    floor(j / merge) (merge 2.5: groups of 3 and 2, the seed's 2.5x), each group one slot with
-   the mean key and value and a log(count) logit bias (`pallas_kernels.segment_merge`);
+   the mean key and value and a log(count) logit bias (`jkv_kernels.segment_merge`);
    middle (farther): low-rank.
 4. Middle tokens, in position order, are packed into groups of `segment_len`; per group a
    truncated SVD of the keys and separately of the values, uncentred (no mean vector to store
@@ -49,7 +49,7 @@ import numpy as np
 from jkv import kv as kvlib
 from jkv.policies.base import check_int
 from jkv.policies.snapkv import SnapKV
-from pallas_kernels import segment_merge, segment_merge_reference
+from jkv_kernels import segment_merge, segment_merge_reference
 
 WHOLE, TRANSITION, MIDDLE, EMPTY = 0, 1, 2, 3
 _BIG = 1 << 30

@@ -2,7 +2,7 @@
 
 Votes are the queries' softmax attention summed over the window and over the G query heads of
 each kv head, smoothed by 1-D pooling (`kernel`, avg or max) so neighbours of a hit survive
-with it (`pallas_kernels.window_scores`). Each kv head keeps its own top slots; the window
+with it (`jkv_kernels.window_scores`). Each kv head keeps its own top slots; the window
 itself is always kept.
 """
 
@@ -15,7 +15,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 
 from jkv.policies.base import KVPolicy, check_int, keep_recent_and_top
-from pallas_kernels import window_scores, window_scores_reference
+from jkv_kernels import window_scores, window_scores_reference
 
 
 def window_queries(q, n_new, window: int):

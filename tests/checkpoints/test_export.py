@@ -9,7 +9,7 @@ import transformers
 
 import jkv
 from jkv.cli import main
-from models.tiny_hf import KINDS
+from jkv_models.tiny_hf import KINDS
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))

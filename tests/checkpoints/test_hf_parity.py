@@ -8,7 +8,7 @@ import torch
 import transformers
 
 import jkv
-from models.tiny_hf import KINDS
+from jkv_models.tiny_hf import KINDS
 
 NEW_TOKENS = 32
 # Fixed per kind (a hash() seed differs every run): a failure reproduces.
@@ -54,7 +54,7 @@ def test_convert_then_load_matches_transformers(kind, hf_checkpoint, tmp_path):
 
 
 def test_sharded_safetensors_with_index(tmp_path):
-    from models.tiny_hf import write_tiny_checkpoint
+    from jkv_models.tiny_hf import write_tiny_checkpoint
 
     folder = write_tiny_checkpoint(tmp_path / "sharded", "llama")
     hf = _hf_model(folder)

@@ -8,8 +8,8 @@ import pytest
 import torch
 import transformers
 
-from models.config import PRESETS, ModelConfig, preset
-from models.llama import param_shapes
+from jkv_models.config import PRESETS, ModelConfig, preset
+from jkv_models.llama import param_shapes
 
 # Published parameter counts of the real checkpoints.
 PUBLISHED = {

@@ -8,7 +8,7 @@ import pytest
 
 import jkv
 from jkv.checkpoints import DEMO_DIR
-from models.haystack import make_example
+from jkv_models.haystack import make_example
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from models import demo_tokenizer, haystack
+from jkv_models import demo_tokenizer, haystack
 
 CASES = [(64, 1), (64, 2), (128, 4), (128, 8), (256, 8), (512, 3), (1024, 8)]
 

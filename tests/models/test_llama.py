@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jkv import attention, kv
-from models.config import ModelConfig
-from models.llama import causal_attention, forward, init_params
+from jkv_models.config import ModelConfig
+from jkv_models.llama import causal_attention, forward, init_params
 
 CFG = ModelConfig(
     vocab_size=64,

@@ -10,8 +10,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from models import haystack, train_demo
-from models.llama import forward, init_params
+from jkv_models import haystack, train_demo
+from jkv_models.llama import forward, init_params
 
 TINY = [
     "--context", "128", "--d-model", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1",

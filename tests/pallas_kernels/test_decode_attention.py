@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import decode_attention, decode_attention_reference, quantize_reference
+from jkv_kernels import decode_attention, decode_attention_reference, quantize_reference
 
 DTYPES = {"f32": np.float32, "bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}
 TOL = {"f32": 1e-5, "bf16": 1e-2, "fp8": 1e-5}  # fp8: against the same quantised cache

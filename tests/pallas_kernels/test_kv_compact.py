@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels import (
+from jkv_kernels import (
     Compacted,
     kv_compact,
     kv_compact_reference,

@@ -10,8 +10,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pallas_kernels import _backend as bk
-from pallas_kernels import (
+from jkv_kernels import _backend as bk
+from jkv_kernels import (
     dequantize_reference,
     quantize,
     quantize_append,

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import (
+from jkv_kernels import (
     combine_attention,
     decode_attention,
     lowrank_attention,

@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.decode_attention import decode_attention_reference
-from pallas_kernels.kv_quantize import quantize_reference
-from pallas_kernels.paged_decode_attention import (
+from jkv_kernels.decode_attention import decode_attention_reference
+from jkv_kernels.kv_quantize import quantize_reference
+from jkv_kernels.paged_decode_attention import (
     gather_pages,
     paged_decode_attention,
     paged_decode_attention_reference,

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.kv_compact import pack_mask
-from pallas_kernels.kv_quantize import quantize_reference
-from pallas_kernels.prefill_attention import (
+from jkv_kernels.kv_compact import pack_mask
+from jkv_kernels.kv_quantize import quantize_reference
+from jkv_kernels.prefill_attention import (
     prefill_attention,
     prefill_attention_blocked,
     prefill_attention_mass,
@@ -126,7 +126,8 @@ def test_matches_reference(
     atol = 1e-4 if x["args"][0].dtype == np.float32 else 2e-2
     check_lse(lse, ref_lse, atol)
     out_b, lse_b = prefill_attention_blocked(*x["args"], **x["kw"], return_lse=True, block_s=32)
-    err_b = check_out(out_b, ref, x, dtype, rel_err, tol=1e-5)  # float32 maths: any dtype
+    # float32 maths for every storage dtype; a bf16 output may still round one ulp apart
+    err_b = check_out(out_b, ref, x, dtype, rel_err, tol=1e-5 if dtype == "f32" else 2**-8)
     check_lse(lse_b, ref_lse, 1e-4)
     print(f"{case_id(b, t, s, kh, g, h, dtype)}: kernel {err:.2e} blocked {err_b:.2e}")
     record_property(f"rel_err_{dtype}", err)

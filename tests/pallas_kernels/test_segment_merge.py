@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import Merged, quantize_reference, segment_merge, segment_merge_reference
+from jkv_kernels import Merged, quantize_reference, segment_merge, segment_merge_reference
 
 DTYPES = {"f32": np.float32, "bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}
 TOL = {"f32": 1e-5, "bf16": 1e-2, "fp8": 0.1}  # against a float64 mean of the stored cache

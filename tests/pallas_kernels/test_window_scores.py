@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import window_scores, window_scores_reference
+from jkv_kernels import window_scores, window_scores_reference
 
 DTYPES = {"f32": np.float32, "bf16": jnp.bfloat16}
 TOL = {"f32": 1e-5, "bf16": 1e-2}

@@ -25,7 +25,7 @@ from jkv.policies.segments import (
     anchor_scores,
     reconstruct,
 )
-from pallas_kernels import kv_compact_reference, quantize_reference
+from jkv_kernels import kv_compact_reference, quantize_reference
 
 attend = jax.jit(attn.cached_attention_reference)  # eager, every op compiles on its own
 
