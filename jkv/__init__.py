@@ -5,6 +5,7 @@ result = jkv.generate(params, "The capital of France is", max_new_tokens=32)
 print(result.text, result.kv_bytes)
 """
 
+from jkv import embedding  # jkv.embedding.ModelEmbedder, fit_clusters
 from jkv.cache import ResponseCache
 from jkv.checkpoints import convert, load
 from jkv.checkpoints import save as _save
@@ -47,6 +48,7 @@ __all__ = [
     "SnapKVSegments",
     "StreamingLLM",
     "convert",
+    "embedding",
     "export_hf",
     "generate",
     "load",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -33,7 +34,9 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float, default=None)
     p.add_argument("--logit-keep-ratio", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument(
+        "--stop", action="extend", nargs="+", default=None, help="stop strings (one or more)"
+    )
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None)
     p.add_argument("--kv-policy", default=None, help="full, streaming, snapkv, h2o, ...")
     p.add_argument("--kv-budget", type=_budget, default=None, help="tokens, or a ratio (0.1)")
@@ -48,8 +51,19 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text from a prompt")
     g.add_argument("--model", required=True, help="HF or jkv checkpoint folder")
     g.add_argument("--prompt", required=True)
-    g.add_argument("--stream", action="store_true", help="print pieces as they decode")
-    g.add_argument("--json", action="store_true", help="print the result as JSON")
+    out = g.add_mutually_exclusive_group()
+    out.add_argument("--stream", action="store_true", help="print pieces as they decode")
+    out.add_argument("--json", action="store_true", help="print the result (and stats) as JSON")
+    g.add_argument(
+        "--allow-beyond-context",
+        action="store_true",
+        help="let the prompt plus new tokens run past the model's trained context",
+    )
+    g.add_argument(
+        "--no-compile-cache",
+        action="store_true",
+        help=f"do not use JAX's persistent compilation cache (default: {compile_cache_dir()})",
+    )
     _add_sampling(g)
 
     c = sub.add_parser("convert", help="convert a Hugging Face checkpoint to a jkv folder")
@@ -110,7 +124,9 @@ def _read_config(model: str) -> tuple[ModelConfig, str]:
                 raise ValueError(f"{path / MARKER}: holds no config")
             return config_from_json(meta["config"], str(path / MARKER)), "jkv"
         if (path / "config.json").is_file():
-            return ModelConfig.from_hf_file(path / "config.json"), "hugging face"
+            from jkv.checkpoints.hf import check_headers
+
+            return check_headers(path), "hugging face"  # every tensor's header, no data
         raise ValueError(f"model={model!r} holds no config.json or jkv.json")
     if path.exists():
         raise ValueError(f"model={model!r} is a file; expected a checkpoint folder or preset")
@@ -178,9 +194,34 @@ def cmd_export_hf(args) -> int:
     return 0
 
 
+def compile_cache_dir() -> Path | None:
+    """Where the CLI keeps compiled programs: $JKV_COMPILE_CACHE (0: nowhere), else the user's
+    cache dir."""
+    if os.environ.get("JKV_COMPILE_CACHE") == "0":
+        return None
+    if os.environ.get("JKV_COMPILE_CACHE"):
+        return Path(os.environ["JKV_COMPILE_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "jkv" / "xla"
+
+
+def use_compile_cache() -> None:
+    """JAX's persistent compilation cache: a second `jkv generate` reads its programs."""
+    import jax
+
+    folder = compile_cache_dir()
+    if folder is None:
+        return
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 def cmd_generate(args) -> int:
     import jkv
 
+    if not args.no_compile_cache:
+        use_compile_cache()
     params = jkv.load(args.model)
     kwargs = dict(
         max_new_tokens=args.max_new_tokens,
@@ -195,6 +236,7 @@ def cmd_generate(args) -> int:
         backend=args.backend,
         kv_policy=args.kv_policy,
         kv_budget=args.kv_budget,
+        allow_beyond_context=args.allow_beyond_context,
     )
     if args.stream:
         for piece in jkv.stream(params, args.prompt, **kwargs):
@@ -278,8 +320,12 @@ def main(argv: list[str] | None = None) -> int:
             return cache_cli.run(args)
         return COMMANDS[args.command](args)
     except (UsageError, ValueError) as e:
-        print(f"jkv: error: {e}", file=sys.stderr)
+        message = str(e).replace("pass overwrite=True", "pass --overwrite")  # the CLI's spelling
+        print(f"jkv: error: {message}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `jkv ... | head`: the reader left; no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -20,11 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jkv import attention as attn
+from jkv import compile_time, policies
 from jkv import kv as kvlib
-from jkv import policies
 from jkv.kv import bucket
+from jkv.limits import check_context, check_memory
 from jkv.params import Params
-from jkv.prefill import encode_prompts, prepare
+from jkv.prefill import check_state, encode_prompts, prepare
 from jkv.sampling import Sampling, SamplingArrays, check_seed, sample
 from jkv.tokenizer import StreamDecoder
 from jkv_models.config import ModelConfig
@@ -184,6 +185,7 @@ class Request:
     kv_dtype: str
     backend: str
     policy: policies.KVPolicy | None = None
+    allow_beyond_context: bool = False
 
     @classmethod
     def build(
@@ -202,6 +204,7 @@ class Request:
         backend,
         kv_policy=None,
         kv_budget=None,
+        allow_beyond_context=False,
     ) -> Request:
         if not isinstance(params, Params):
             raise ValueError(
@@ -214,6 +217,8 @@ class Request:
         ):
             raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
         check_seed(seed)
+        if not isinstance(allow_beyond_context, bool):
+            raise ValueError(f"allow_beyond_context={allow_beyond_context!r} must be True or False")
         kv_dtype = kvlib.validate_kv_dtype(kv_dtype) if kv_dtype else None
         policy = policies.resolve(kv_policy, kv_budget)
         window = params.config.sliding_window
@@ -237,7 +242,30 @@ class Request:
             kv_dtype=kv_dtype,
             backend=attn.validate_backend(backend),
             policy=policy,
+            allow_beyond_context=allow_beyond_context,
         )
+
+
+def _check_limits(params, lengths, req: Request, kv_state, kv_dtype) -> bool:
+    """The trained context and the free memory, before anything is allocated; returns whether
+    the request runs past the context (allowed by `allow_beyond_context`)."""
+    start, rerank_within, policy = 0, None, req.policy
+    if kv_state is not None:
+        start = int(np.max(np.asarray(kv_state.next_position)))
+        if kv_state.policy is not None and kv_state.policy.raw_keys:
+            rerank_within = int(np.max(np.asarray(kv_state.limit)))
+    elif policy is not None and policy.raw_keys:
+        rerank_within = int(max(policy.row_limits(lengths)))
+    beyond = check_context(
+        params.config,
+        lengths,
+        req.max_new_tokens,
+        start=start,
+        rerank_within=rerank_within,
+        allowed=req.allow_beyond_context,
+    )
+    check_memory(params, lengths, req.max_new_tokens, policy=policy, kv_dtype=kv_dtype, start=start)
+    return beyond
 
 
 class Session:
@@ -249,9 +277,7 @@ class Session:
         self.prompt_lengths = [len(p) for p in prompts]
         b = len(prompts)
         if kv_state is not None:
-            from jkv.prefill import _check_state
-
-            _check_state(kv_state, b, req.kv_dtype)
+            check_state(kv_state, cfg, b, req.kv_dtype)
             if req.policy is not None:
                 raise ValueError(
                     "kv_policy given beside kv_state: the state keeps the policy "
@@ -260,6 +286,8 @@ class Session:
         kv_dtype = kv_state.dtype if kv_state is not None else req.kv_dtype or params.kv_dtype
         self.eos_ids = tuple(sorted(set(cfg.eos_token_ids)))
         self.policy = req.policy if kv_state is None else kv_state.policy
+        self.beyond_context = _check_limits(params, self.prompt_lengths, req, kv_state, kv_dtype)
+        self.compile_start = compile_time.totals()
         t0 = time.perf_counter()
         logits, kv = prepare(
             params,
@@ -279,10 +307,14 @@ class Session:
             slots=bucket(req.max_new_tokens),
         )
         self.state.tokens.block_until_ready()
-        self.prefill_s = time.perf_counter() - t0
+        self.prefill_s = time.perf_counter() - t0 - self._compile_since(self.compile_start)
         self.decode_s = 0.0
         self.stopped_by_string = [None] * b  # (cut index in text, token count) per row
         self._host_tokens = None
+
+    @staticmethod
+    def _compile_since(start: tuple[float, int]) -> float:
+        return compile_time.totals()[0] - start[0]
 
     @property
     def finished(self) -> bool:
@@ -290,7 +322,7 @@ class Session:
 
     def advance(self, steps: int) -> None:
         """Runs up to `steps` decode steps, then applies stop strings on the host."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), compile_time.totals()
         limit = jnp.asarray(int(self.state.step) + steps, jnp.int32)
         self.state = decode(
             self.params.weights,
@@ -301,7 +333,7 @@ class Session:
             backend=self.req.backend,
         )
         self.state.count.block_until_ready()
-        self.decode_s += time.perf_counter() - t0
+        self.decode_s += time.perf_counter() - t0 - self._compile_since(c0)
         self._host_tokens = None
         if self.req.stop:
             self._apply_stop_strings()
@@ -350,7 +382,12 @@ class Session:
         kv_bytes = kvlib.nbytes(self.state.kv)
         generated = int(np.asarray(self.state.count).sum())
         decoded = generated - len(self.prompt_lengths)  # the first token comes from prefill
+        compiled, hits = (
+            a - b for a, b in zip(compile_time.totals(), self.compile_start, strict=True)
+        )
         stats_common = {
+            "compile_s": compiled,  # tracing + XLA compilation, left out of the times below
+            "compile_cache_hits": hits,  # programs read from JAX's persistent cache
             "prefill_s": self.prefill_s,
             "decode_s": self.decode_s,
             "decode_tokens_per_s": decoded / self.decode_s if self.decode_s > 0 else 0.0,
@@ -359,6 +396,7 @@ class Session:
             "kv_capacity": [x.capacity for x in self.state.kv.layers],
             "kv_policy": None if self.policy is None else self.policy.describe(),
             "batch_size": len(self.prompt_lengths),
+            "beyond_context": self.beyond_context,
         }
         if isinstance(self.policy, policies.SnapKVSegments):  # decoded tokens left out
             appended = np.asarray(self.state.count) - 1
@@ -406,6 +444,7 @@ def generate(
     kv_budget: int | float | None = None,
     kv_state=None,
     cache=None,
+    allow_beyond_context: bool = False,
 ):
     """Generates a continuation of `prompt` (or of each prompt of a batch).
 
@@ -436,6 +475,9 @@ def generate(
         as given. `result.cache` is "l1", "l2", "coalesced" or None (this call generated); a
         hit reports the `kv_bytes` and stats of the generation that produced it, plus
         `stats["cache"]`. Not used with `kv_state` (the state is not part of the key).
+      allow_beyond_context: let the prompt plus `max_new_tokens` run past the model's trained
+        context (`max_position_embeddings`); refused otherwise, except under StreamingLLM with a
+        budget within the context. `stats["beyond_context"]` says whether it did.
 
     Returns:
       A `GenerationResult`, or a list of them for a batch.
@@ -457,6 +499,7 @@ def generate(
         backend=backend,
         kv_policy=kv_policy,
         kv_budget=kv_budget,
+        allow_beyond_context=allow_beyond_context,
     )
     if req.stop and params.tokenizer is None:
         raise ValueError("stop strings need a tokenizer; these params carry none")
@@ -534,6 +577,7 @@ _GENERATE_DEFAULTS = dict(
     backend=None,
     kv_policy=None,
     kv_budget=None,
+    allow_beyond_context=False,
 )
 
 

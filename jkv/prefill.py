@@ -19,6 +19,7 @@ from jkv import attention as attn
 from jkv import kv as kvlib
 from jkv import policies
 from jkv.kv import bucket, headroom
+from jkv.limits import check_context, check_memory
 from jkv.params import Params
 from jkv.policies.compress import compress, grow
 from jkv_models.config import ModelConfig
@@ -69,9 +70,24 @@ def prefill_step(
 # ------------------------------------------------------------------ prompts
 def _as_ids(params: Params, prompt, index: int | None, special: bool = True) -> list[int]:
     where = "prompt" if index is None else f"prompt[{index}]"
+    if isinstance(prompt, bytes | bytearray):
+        try:
+            prompt = bytes(prompt).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(
+                f"{where} is bytes that are not UTF-8 (byte {prompt[e.start]:#04x} at offset "
+                f"{e.start}); expected text, UTF-8 bytes or a list of token ids"
+            ) from None
     if isinstance(prompt, str):
-        if not prompt:
-            raise ValueError(f"{where} is empty; expected some text")
+        if not prompt.strip():
+            raise ValueError(f"{where}={prompt!r} is empty or only whitespace; expected some text")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(
+                f"{where} holds {prompt[e.start]!r} at index {e.start}, a lone surrogate that is "
+                "not text (a mis-decoded byte?); expected a str that encodes as UTF-8"
+            ) from None
         if params.tokenizer is None:
             raise ValueError(f"{where} is text but the params carry no tokenizer; pass token ids")
         ids = params.tokenizer.encode(prompt, add_special_tokens=special)
@@ -99,7 +115,7 @@ def encode_prompts(params: Params, prompt, *, continuation: bool = False):
     if isinstance(prompt, list | tuple) and not prompt:
         raise ValueError("prompt=[] is empty; expected a str, a list of token ids, or a batch")
     is_batch = isinstance(prompt, list | tuple) and all(
-        isinstance(p, str | list | tuple | np.ndarray) for p in prompt
+        isinstance(p, str | bytes | bytearray | list | tuple | np.ndarray) for p in prompt
     )
     if is_batch:
         return [_as_ids(params, p, i, not continuation) for i, p in enumerate(prompt)], True
@@ -107,13 +123,21 @@ def encode_prompts(params: Params, prompt, *, continuation: bool = False):
 
 
 # ------------------------------------------------------------------ the state a request needs
-def _check_state(state, batch: int, kv_dtype: str | None) -> None:
+def check_state(state, cfg: ModelConfig, batch: int, kv_dtype: str | None) -> None:
     if not isinstance(state, kvlib.KVState):
         raise ValueError(
             f"kv_state is a {type(state).__name__}; expected the KVState that jkv.prefill returned"
         )
     if state.batch_size != batch:
         raise ValueError(f"kv_state holds {state.batch_size} rows but {batch} prompts were given")
+    layer = state.layers[0]
+    got = (len(state.layers), layer.k.shape[1], layer.k.shape[3])
+    want = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    if got != want:
+        raise ValueError(
+            "kv_state was made by another model: it holds (layers, kv heads, head dim) = "
+            f"{got}; these params expect {want}"
+        )
     if kv_dtype is not None and kv_dtype != state.dtype:
         raise ValueError(f"kv_dtype={kv_dtype!r} differs from the kv_state's {state.dtype!r}")
 
@@ -191,7 +215,14 @@ def prepare(
 
 
 def prefill(
-    params: Params, context, *, kv_policy=None, kv_budget=None, kv_dtype=None, backend=None
+    params: Params,
+    context,
+    *,
+    kv_policy=None,
+    kv_budget=None,
+    kv_dtype=None,
+    backend=None,
+    allow_beyond_context: bool = False,
 ) -> kvlib.KVState:
     """Prefills (and compresses) a context once, to continue later from the returned state.
 
@@ -207,6 +238,8 @@ def prefill(
         ratio of the context).
       kv_dtype: KV storage dtype (default: the params' dtype).
       backend: attention backend ("xla", "pallas", "pallas_interpret").
+      allow_beyond_context: accept a context longer than the model's trained one (as in
+        `jkv.generate`).
 
     Returns:
       The `KVState` (its `policy` attached).
@@ -217,6 +250,12 @@ def prefill(
     kv_dtype = kvlib.validate_kv_dtype(kv_dtype or params.kv_dtype)
     backend = attn.validate_backend(backend)
     prompts, _ = encode_prompts(params, context)
+    lengths = [len(p) for p in prompts]
+    rerank_within = max(policy.row_limits(lengths)) if policy and policy.raw_keys else None
+    check_context(
+        params.config, lengths, 0, rerank_within=rerank_within, allowed=allow_beyond_context
+    )
+    check_memory(params, lengths, 0, policy=policy, kv_dtype=kv_dtype)
     _, state = prepare(
         params, prompts, policy=policy, kv_dtype=kv_dtype, backend=backend, max_new_tokens=0
     )
@@ -267,7 +306,7 @@ def score(params: Params, text, *, kv_state: kvlib.KVState | None = None, backen
     tokens[0, : len(ids)] = ids
     cfg = params.config
     if kv_state is not None:
-        _check_state(kv_state, 1, None)
+        check_state(kv_state, params.config, 1, None)
         kv, policy = grow(kv_state, t), kv_state.policy
     else:
         kv, policy = empty_state(cfg, 1, t, params.kv_dtype), None

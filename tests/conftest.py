@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from jkv_models.tiny_hf import KINDS, write_tiny_checkpoint
+
+# The CLI's persistent compilation cache stays off in tests (and their subprocesses), unless a
+# test points it at a folder of its own.
+os.environ["JKV_COMPILE_CACHE"] = "0"
 
 ALL_KINDS = sorted(KINDS)
 

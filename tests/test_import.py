@@ -14,3 +14,9 @@ def test_import_jkv_is_light():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_submodules_the_readme_names_are_attributes():
+    code = "import jkv; print(jkv.embedding.ModelEmbedder.__name__, jkv.embedding.fit_clusters)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr

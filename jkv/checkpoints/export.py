@@ -53,6 +53,8 @@ def export_hf(params: Params, folder: str | Path, *, overwrite: bool = False) ->
     (folder / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     generation = {"bos_token_id": cfg.bos_token_id, "eos_token_id": hf_config["eos_token_id"]}
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    # safetensors writes through a private temp file (0600); give it its siblings' mode
+    (folder / "model.safetensors").chmod((folder / "config.json").stat().st_mode & 0o777)
     if params.tokenizer is not None:
         params.tokenizer.save(folder / "tokenizer.json")
         (folder / "tokenizer_config.json").write_text(

@@ -215,6 +215,65 @@ def _set(tree: dict, path: str, value) -> None:
     tree[leaf] = value
 
 
+def _entries(files: list[Path], config: ModelConfig):
+    """(file, open handle, HF name, our path, rule) of every tensor the model uses, in file
+    order; raises ValueError naming the file for an unreadable file or a foreign tensor."""
+    from safetensors import safe_open
+
+    needed = expected_paths(config)
+    for file in files:
+        try:
+            handle = safe_open(str(file), framework="flax")
+        except Exception as e:  # safetensors raises its own error types; name the file
+            raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
+        with handle as f:
+            for tensor_name in f.keys():
+                found = to_path(tensor_name)
+                if found is None:
+                    if IGNORED.match(tensor_name):
+                        continue
+                    raise ValueError(
+                        f"{file}: unexpected tensor {tensor_name!r} for {config.architecture}"
+                    )
+                path, rule = found
+                if path == "lm_head/kernel" and config.tie_word_embeddings:
+                    continue  # tied: the embedding serves as the output projection
+                if path not in needed:
+                    raise ValueError(
+                        f"{file}: tensor {tensor_name!r} does not belong to this config "
+                        f"({config.num_layers} layers, qkv_bias={config.qkv_bias})"
+                    )
+                yield file, f, tensor_name, path, rule
+
+
+def _check_complete(folder: Path, config: ModelConfig, found) -> None:
+    missing = sorted(expected_paths(config) - set(found))
+    if missing:
+        raise ValueError(
+            f"{folder}: checkpoint lacks tensor {to_hf_name(missing[0])!r} "
+            f"({len(missing)} missing in all)"
+        )
+
+
+def check_headers(folder: str | Path) -> ModelConfig:
+    """Reads what `jkv info` reports: config.json and every safetensors header (names and
+    shapes, no tensor data). Returns the config; raises ValueError naming what is wrong."""
+    folder = Path(folder)
+    config = ModelConfig.from_hf_file(folder / "config.json")
+    found = []
+    for file, f, tensor_name, path, (_, _, shape_fn, _) in _entries(_tensor_files(folder), config):
+        try:
+            shape = tuple(f.get_slice(tensor_name).get_shape())
+        except Exception as e:
+            raise ValueError(f"{file}: cannot read tensor {tensor_name!r} ({e})") from None
+        want = tuple(shape_fn(config))
+        if shape != want:
+            raise ValueError(f"{file}: tensor {tensor_name!r} has shape {shape}; expected {want}")
+        found.append(path)
+    _check_complete(folder, config, found)
+    return config
+
+
 def load_hf(
     folder: str | Path,
     *,
@@ -238,7 +297,6 @@ def load_hf(
       ValueError: naming the file or tensor that is missing, misshapen, unexpected or corrupt
         (NaN or Inf values included), or a `name` keys cannot hold.
     """
-    from safetensors import safe_open
     from tqdm import tqdm
 
     from jkv import sharding
@@ -259,57 +317,31 @@ def load_hf(
     bar = tqdm(
         desc=f"converting {folder.name}", unit="tensor", disable=not progress, total=len(needed)
     )
-    for file in files:
+    for file, f, tensor_name, path, (_, _, shape_fn, transform) in _entries(files, config):
         try:
-            handle = safe_open(str(file), framework="flax")
-        except Exception as e:  # safetensors raises its own error types; name the file
-            raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
-        with handle as f:
-            for tensor_name in f.keys():
-                found = to_path(tensor_name)
-                if found is None:
-                    if IGNORED.match(tensor_name):
-                        continue
-                    raise ValueError(
-                        f"{file}: unexpected tensor {tensor_name!r} for {config.architecture}"
-                    )
-                path, (_, _, shape_fn, transform) = found
-                if path == "lm_head/kernel" and config.tie_word_embeddings:
-                    continue  # tied: the embedding serves as the output projection
-                if path not in needed:
-                    raise ValueError(
-                        f"{file}: tensor {tensor_name!r} does not belong to this config "
-                        f"({config.num_layers} layers, qkv_bias={config.qkv_bias})"
-                    )
-                try:
-                    raw = np.asarray(f.get_tensor(tensor_name))
-                except Exception as e:
-                    raise ValueError(f"{file}: cannot read tensor {tensor_name!r} ({e})") from None
-                want = tuple(shape_fn(config))
-                if raw.shape != want:
-                    raise ValueError(
-                        f"{file}: tensor {tensor_name!r} has shape {raw.shape}; expected {want}"
-                    )
-                value = np.ascontiguousarray(transform(raw, config)).astype(target)
-                del raw
-                check_tensor(value, str(file), tensor_name)
-                digests[path] = tensor_digest(value)
-                if mesh is not None:
-                    placed = jax.device_put(
-                        value, sharding.param_sharding(tuple(path.split("/")), value.shape, mesh)
-                    )
-                else:
-                    placed = jax.device_put(value)
-                del value
-                _set(weights, path, placed)
-                bar.update(1)
+            raw = np.asarray(f.get_tensor(tensor_name))
+        except Exception as e:
+            raise ValueError(f"{file}: cannot read tensor {tensor_name!r} ({e})") from None
+        want = tuple(shape_fn(config))
+        if raw.shape != want:
+            raise ValueError(
+                f"{file}: tensor {tensor_name!r} has shape {raw.shape}; expected {want}"
+            )
+        value = np.ascontiguousarray(transform(raw, config)).astype(target)
+        del raw
+        check_tensor(value, str(file), tensor_name)
+        digests[path] = tensor_digest(value)
+        if mesh is not None:
+            placed = jax.device_put(
+                value, sharding.param_sharding(tuple(path.split("/")), value.shape, mesh)
+            )
+        else:
+            placed = jax.device_put(value)
+        del value
+        _set(weights, path, placed)
+        bar.update(1)
     bar.close()
-    missing = sorted(needed - set(digests))
-    if missing:
-        raise ValueError(
-            f"{folder}: checkpoint lacks tensor {to_hf_name(missing[0])!r} "
-            f"({len(missing)} missing in all)"
-        )
+    _check_complete(folder, config, digests)
 
     tokenizer = None
     if (folder / "tokenizer.json").is_file():

@@ -32,12 +32,14 @@ import numpy as np
 
 from jkv import kv as kvlib
 
+MAX_BUDGET = 2**31 - 1  # budgets travel into compiled code as int32
+
 
 def check_budget(budget) -> None:
     if isinstance(budget, bool) or not isinstance(budget, int | float):
         raise ValueError(f"budget={budget!r} must be a token count (int >= 1) or a ratio in (0, 1)")
-    if isinstance(budget, int) and budget < 1:
-        raise ValueError(f"budget={budget} must be >= 1 tokens")
+    if isinstance(budget, int) and not 1 <= budget <= MAX_BUDGET:
+        raise ValueError(f"budget={budget} must be in [1, {MAX_BUDGET}] tokens")
     if isinstance(budget, float) and not 0.0 < budget < 1.0:
         raise ValueError(f"budget={budget} must be a ratio in (0, 1) (or an int token count)")
 
