@@ -26,7 +26,8 @@ def check_context(
     policy that re-ranks positions within its cache (StreamingLLM), else None.
     Raises ValueError when it runs past and is not allowed."""
     context = cfg.max_position_embeddings
-    longest = start + max(prompt_lengths) + max_new_tokens
+    # the last new token is sampled, never fed back: it takes no position
+    longest = start + max(prompt_lengths) + max(max_new_tokens - 1, 0)
     if longest <= context:
         return False
     if rerank_within is not None and rerank_within <= context:
@@ -36,7 +37,7 @@ def check_context(
     after = f" after the kv_state's {start}" if start else ""
     raise ValueError(
         f"a prompt of {max(prompt_lengths)} tokens{after} plus max_new_tokens={max_new_tokens} "
-        f"reaches position {longest}, past the model's trained context "
+        f"needs {longest} positions, more than the model's trained context "
         f"(max_position_embeddings={context}); shorten the prompt or max_new_tokens, use "
         "kv_policy='streaming' with a budget within the context, or pass "
         "allow_beyond_context=True"

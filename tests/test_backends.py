@@ -180,7 +180,6 @@ def _decode_for_cuda(params, cfg, kv):
         cfg,
         loop_state,
         jnp.int32(4),
-        sampling=Sampling(),
         eos_ids=(),
         backend="pallas",
     )

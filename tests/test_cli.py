@@ -148,7 +148,7 @@ def test_non_utf8_prompt_is_one_line():
     [
         (["--json", "--stream"], "argument --stream: not allowed with argument --json"),
         (["--seed", str(2**70)], f"seed={2**70} must be an integer in [0, 2**64)"),
-        (["--max-new-tokens", str(10**9)], "past the model's trained context"),
+        (["--max-new-tokens", str(10**9)], "more than the model's trained context"),
     ],
 )
 def test_generate_mistakes_are_one_line(extra, message, capsys):

@@ -42,7 +42,7 @@ def test_generate_rejects_bad_settings(params, kwargs, match):
     "prompt, match",
     [
         ([], r"prompt=\[\] is empty"),
-        ("", r"prompt is empty"),
+        ("", r"prompt='' is empty or only whitespace"),
         ([5, 999], r"prompt holds token id 999; expected ids in \[0, 128\)"),
         ([5, -1], r"token id -1"),
         ([[5, 6], []], r"prompt\[1\] is empty"),

@@ -21,22 +21,22 @@ def words(n):
 
 @pytest.mark.parametrize(
     "prompt_len, max_new",
-    [(4, 10**9), (300, 1), (1000, 1), (250, 50)],
+    [(4, 10**9), (300, 1), (1000, 1), (250, 50), (251, 7)],
 )
 def test_past_the_trained_context_is_refused(params, prompt_len, max_new):
-    want = rf"reaches position {prompt_len + max_new}, past .*max_position_embeddings=256"
+    want = rf"needs {prompt_len + max_new - 1} positions, more .*max_position_embeddings=256"
     with pytest.raises(ValueError, match=want):
         jkv.generate(params, words(prompt_len), max_new_tokens=max_new)
 
 
 def test_prefill_refuses_a_context_past_the_trained_one(params):
-    with pytest.raises(ValueError, match="reaches position 300"):
+    with pytest.raises(ValueError, match="needs 300 positions"):
         jkv.prefill(params, words(300))
 
 
 def test_past_the_context_when_asked_is_flagged(params):
-    inside = jkv.generate(params, words(200), max_new_tokens=4)
-    assert inside.stats["beyond_context"] is False
+    inside = jkv.generate(params, words(250), max_new_tokens=7)  # positions 0..255
+    assert inside.stats["beyond_context"] is False and len(inside.tokens) == 7
     past = jkv.generate(params, words(250), max_new_tokens=16, allow_beyond_context=True)
     assert past.stats["beyond_context"] is True and len(past.tokens) == 16
 
@@ -44,7 +44,7 @@ def test_past_the_context_when_asked_is_flagged(params):
 def test_streaming_within_the_context_may_run_past_it(params):
     r = jkv.generate(params, words(250), max_new_tokens=16, kv_policy="streaming", kv_budget=64)
     assert r.stats["beyond_context"] is False and len(r.tokens) == 16
-    with pytest.raises(ValueError, match="reaches position 316"):  # a budget past the context
+    with pytest.raises(ValueError, match="needs 315 positions"):  # a budget past the context
         jkv.generate(params, words(250), max_new_tokens=66, kv_policy="streaming", kv_budget=300)
 
 

@@ -179,7 +179,7 @@ def test_h2o_write_slot_evicts_lightest_outside_recent(rng):
 @pytest.mark.parametrize(
     "make, match",
     [
-        (lambda: SnapKV(budget=0), r"budget=0 must be >= 1"),
+        (lambda: SnapKV(budget=0), r"budget=0 must be in \[1, 2147483647\]"),
         (lambda: SnapKV(budget=1.5), r"budget=1.5 must be a ratio in \(0, 1\)"),
         (lambda: SnapKV(budget="x"), r"budget='x' must be a token count"),
         (lambda: SnapKV(kernel=4), r"kernel=4 must be odd"),
