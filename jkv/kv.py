@@ -38,6 +38,20 @@ def bucket(n: int) -> int:
     return max(MIN_BUCKET, 1 << (max(int(n), 1) - 1).bit_length())
 
 
+FINE_ABOVE = 4096  # slots
+
+
+def capacity_bucket(n: int) -> int:
+    """A compressed cache's size: `bucket(n)` up to FINE_ABOVE slots; above, n rounded up to a
+    sixteenth of its power of two (8 sizes per octave), so a large budget wastes at most 12.5%
+    of its slots instead of up to half, for 8x the compiled variants where they are few."""
+    b = bucket(n)
+    if b <= FINE_ABOVE:
+        return b
+    step = b // 16
+    return -(-int(n) // step) * step
+
+
 def headroom(max_new_tokens: int) -> int:
     """Slots a full cache reserves for decoding `max_new_tokens` (0 for none)."""
     return 0 if max_new_tokens <= 0 else bucket(max_new_tokens)

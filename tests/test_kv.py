@@ -63,3 +63,13 @@ def test_bad_capacity_list_and_dtype():
         )
     with pytest.raises(ValueError, match=r"kv_dtype='float64' is not supported"):
         kv.validate_kv_dtype("float64")
+
+
+def test_capacity_buckets_are_powers_of_two_then_sixteenths():
+    from jkv.kv import capacity_bucket
+
+    assert [capacity_bucket(n) for n in (1, 16, 17, 4096)] == [16, 16, 32, 4096]
+    for n in (4097, 5000, 13108, 16385, 100_000, 131_072):
+        c = capacity_bucket(n)
+        p = 1 << (n - 1).bit_length()  # numpy-free reference: the next power of two
+        assert n <= c <= p and c % (p // 16) == 0 and (c - n) < p // 16, (n, c)

@@ -11,7 +11,7 @@ A policy acts at two moments:
 Budgets are a token count (int >= 1) or a ratio of each row's prompt (float in (0, 1)). A row
 keeps `budget_tokens(len)` prompt tokens; an evicting policy's budget is also the size of the
 row's cache while decoding, whatever the prompt (`row_limit`). Physical capacities (static,
-shared by the batch) are powers of two (`jkv.kv.bucket`) of the largest row's need, plus decode
+shared by the batch) are buckets (`jkv.kv.capacity_bucket`) of the largest row's need, plus decode
 headroom for policies that do not evict; every row keeps and evicts by its own budget, so a
 row of a batch holds exactly what it would hold alone. Sizes are plain Python (host side);
 selections run inside jit, where the budget is per-row data (`Context.budgets`,
@@ -119,11 +119,12 @@ class KVPolicy:
     ) -> tuple[int, ...]:
         """Slots each layer allocates after compression for rows of `prompt_lengths`."""
         if self.evicts:
-            return (kvlib.bucket(max(self.row_limits(prompt_lengths))),) * num_layers
+            return (kvlib.capacity_bucket(max(self.row_limits(prompt_lengths))),) * num_layers
         b = int(max(self.row_budgets(prompt_lengths)))
         extra = kvlib.headroom(max_new_tokens)
         return tuple(
-            kvlib.bucket(self.layer_budget(i, num_layers, b)) + extra for i in range(num_layers)
+            kvlib.capacity_bucket(self.layer_budget(i, num_layers, b)) + extra
+            for i in range(num_layers)
         )
 
     def describe(self) -> dict:

@@ -23,10 +23,10 @@ def test_gqa_and_fp8_and_snapkv_savings():
     snap = jkv.memory(
         "llama-3.1-8b", 1, 131072, kv_dtype="float8_e4m3fn", kv_policy="snapkv", kv_budget=0.1
     )
-    # 13,108 kept tokens, allocated as a power of two (16,384) plus the decode headroom's 64:
-    # the allocation saves 93.6%; the kept tokens alone would save 94.8%.
-    assert snap.slots[0] == 16384 + 64
-    assert 1 - snap.total / bf16.total >= 0.935
+    # 13,108 kept tokens, allocated in steps of 1,024 above 4,096 slots (13,312) plus the decode
+    # headroom's 64: the allocation saves 94.8% (whole powers of two, 16,384, saved 93.6%).
+    assert snap.slots[0] == 13312 + 64
+    assert 1 - snap.total / bf16.total >= 0.945  # the goal
 
 
 def test_policies_size_as_documented():
