@@ -47,7 +47,8 @@ test: $(DEV_STAMP) redis
 TRAIN_ARGS ?=
 train-demo: $(DEV_STAMP)
 	$(PY) -m jkv_models.train_demo --out tmp/demo-train --final tmp/demo-final --resume $(TRAIN_ARGS)
-	@if [ -d tmp/demo-final ]; then $(VENV)/bin/jkv export-hf tmp/demo-final models/demo; \
+	@if [ -d tmp/demo-final ]; then $(VENV)/bin/jkv export-hf tmp/demo-final models/demo --overwrite \
+	  && cp tmp/demo-final/training.json models/demo/; \
 	else echo "training stopped before the end: run 'make train-demo' again to continue"; fi
 
 bench: $(BENCH_STAMP)

@@ -3,20 +3,26 @@
 Text format (canonical form: every token separated by one space, so a word-level tokenizer
 round-trips it exactly, and `text.split()` are its tokens):
 
-  <filler sentences> The code for Alice is 4 0 9 1 7 . <more filler> The code for Omar is ...
-  Question : what is the code for Alice ? Answer :        <- the prompt
-  4 0 9 1 7                                               <- the answer (then `</s>`)
+  <filler sentences> The code for Alice 4 0 9 1 7 . <more filler> The code for Omar 2 ...
+  Question : what is the code for Alice ? The code for Alice     <- the prompt
+  4 0 9 1 7                                                      <- the answer (then `</s>`)
 
 - Filler comes from a small grammar over the word list below (`The old farmer carried a red
   basket to the market .`), so free-text continuation is meaningful and the vocabulary stays
   small. A haystack's filler is a window cut from a longer story, so it may begin mid-sentence.
-- 1-8 facts `The code for <name> is d d d d d .` (11 tokens each) sit between filler sentences at
+- 1-8 facts `The code for <name> d d d d d .` (10 tokens each) sit between filler sentences at
   random depths; names in one document are distinct; the question asks about one of them.
+- The question restates the asked fact's own prefix (`The code for <name>`), so the answer
+  follows the name as in the document: its first digit is a one-token induction copy (find the
+  earlier `<name>`, copy what came next). Both more distant forms were measured not to train in
+  hours on a CPU: `... ? Answer :` (the name 3 tokens back) and `The code for <name> is` in
+  fact and question (the name 2 tokens back: first digit at chance after 1,500 steps).
 - Digits are separate tokens; `<s>` starts every document and `</s>` follows the answer.
 
 API (all randomness from a caller-owned `numpy.random.Generator`, so a seed fixes everything):
   make_example(rng, num_tokens, num_facts) -> Example(prompt, answer, meta)
   make_filler(rng, num_tokens) -> plain filler text of exactly `num_tokens` tokens
+  split_examples(seed, n, num_tokens, num_facts) -> (context, question, answer) triples
   make_batch(rng, batch_size, seq_len, ...) -> Batch(tokens, weights, answer_mask) for training
   VOCAB (token strings; id = index), encode(text) -> ids without the tokenizers library.
 """
@@ -53,8 +59,10 @@ NAMES = tuple(
     """.split()
 )
 
-# The grammar's word classes. "code", "is", "Question", "what" and "Answer" never occur in
-# filler, so a fact and the question stand out from the haystack by their words alone.
+# The grammar's word classes. "code", "is", "Question" and "what" never occur in filler, so a
+# fact and the question stand out from the haystack by their words alone. ("is" and "Answer"
+# belonged to the facts and question of an earlier format; they stay in the vocabulary so the
+# tokenizer is unchanged.)
 _AGENTS = tuple(
     """farmer baker teacher child dog cat bird horse fox sailor doctor girl boy woman man
     fisher miller painter hunter singer tailor driver nurse student king queen goat rabbit""".split()
@@ -231,13 +239,22 @@ class ExampleMeta:
 
 
 class Example(NamedTuple):
-    prompt: str  # ends with "Answer :"
+    prompt: str  # ends with "? The code for <name>"
     answer: str  # "4 0 9 1 7"
     meta: ExampleMeta
 
 
-FACT_TOKENS = 6 + CODE_LEN  # The code for <name> is d d d d d .
-QUESTION_TOKENS = 11  # Question : what is the code for <name> ? Answer :
+FACT_TOKENS = 5 + CODE_LEN  # The code for <name> d d d d d .
+QUESTION_TOKENS = 13  # Question : what is the code for <name> ? The code for <name>
+
+
+def question_words(name: str) -> list[str]:
+    """The question about `name`'s code, as tokens; it ends with the fact's own prefix."""
+    return ["Question", ":", "what", "is", "the", "code", "for", name, "?", *_prefix(name)]
+
+
+def _prefix(name: str) -> list[str]:
+    return ["The", "code", "for", name]
 
 
 def min_tokens(num_facts: int) -> int:
@@ -285,12 +302,14 @@ def make_example(rng: np.random.Generator, num_tokens: int, num_facts: int) -> E
         out += words[prev:slot]
         prev = slot
         facts.append(Fact(name=name, code=code, position=1 + len(out), depth=0.0))
-        out += ["The", "code", "for", name, "is", *code, "."]
+        out += [*_prefix(name), *code, "."]
     out += words[prev:]
-    out += ["Question", ":", "what", "is", "the", "code", "for", asked_name, "?", "Answer", ":"]
+    out += question_words(asked_name)
     prompt_len = 1 + len(out)
     facts = [dataclasses.replace(f, depth=f.position / prompt_len) for f in facts]
     asked = next(i for i, f in enumerate(facts) if f.name == asked_name)
+    if prompt_len + CODE_LEN != num_tokens:  # a bug in the lengths above
+        raise RuntimeError(f"made {prompt_len + CODE_LEN} tokens, not {num_tokens=}")
     answer = " ".join(facts[asked].code)
     meta = ExampleMeta(facts=tuple(facts), asked=asked, num_tokens=prompt_len + CODE_LEN)
     return Example(prompt=" ".join(out), answer=answer, meta=meta)
@@ -344,11 +363,10 @@ def make_batch(
       seq_len: input tokens T per row (a haystack row is `make_example(rng, T, n)` + `</s>`).
       min_facts, max_facts: each haystack row draws its number of facts uniformly from this range.
       filler_fraction: probability that a row is plain filler (`<s>` + T filler tokens).
-      recall_fraction: probability that a haystack row ends, instead of the question, with the
-        asked fact restated up to its code (`... The code for Alice is` + the code): the
-        one-hop form of the lookup (the name right before the code, as in the document), which
-        teaches the keys at a code to carry the name that precedes it; the question then only
-        has to bring the name to its last token. Same length and answer positions.
+      recall_fraction: probability that a haystack row ends, instead of the question, with
+        filler and then the asked fact's prefix alone (`... The code for Alice` + the code):
+        the bare induction copy, without the question's words. Same length and answer
+        positions.
       answer_weight: loss weight of the answer digits and the `</s>` target.
 
     Returns:
@@ -378,7 +396,7 @@ def make_batch(
         prompt = ex.prompt
         if recall_fraction and rng.random() < recall_fraction:
             name = ex.meta.facts[ex.meta.asked].name
-            restated = ["The", "code", "for", name, "is"]
+            restated = _prefix(name)
             filler = make_filler(rng, QUESTION_TOKENS - len(restated)).split()
             prompt = " ".join(prompt.split()[:-QUESTION_TOKENS] + filler + restated)
         tokens[row] = [BOS_ID] + encode(prompt) + encode(ex.answer) + [EOS_ID]

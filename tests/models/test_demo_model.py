@@ -23,11 +23,14 @@ def test_bundled_files_are_small():
         assert (DEMO_DIR / name).is_file()
 
 
-def test_answers_fixed_prompts(demo):
-    """Greedy answers to held-out single-needle haystacks at the trained context (seeded)."""
+@pytest.mark.parametrize("facts", [1, 8])
+def test_answers_fixed_prompts(demo, facts):
+    """Greedy answers to held-out haystacks at the trained context (seeded): one needle, and
+    eight facts of which the question names one."""
     ctx = demo.config.max_position_embeddings
+    assert ctx == 512
     rng = np.random.default_rng(12345)
-    examples = [make_example(rng, ctx, 1) for _ in range(4)]
+    examples = [make_example(rng, ctx, facts) for _ in range(4)]
     out = jkv.generate(demo, [e.prompt for e in examples], max_new_tokens=6)
     for ex, r in zip(examples, out, strict=True):
         assert r.text.split()[:5] == ex.answer.split(), (ex.answer, r.text)

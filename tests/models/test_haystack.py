@@ -24,15 +24,54 @@ def test_example_has_every_fact_and_exact_length(num_tokens, num_facts):
         assert len(ex.meta.facts) == num_facts
         assert len({f.name for f in ex.meta.facts}) == num_facts
         for fact in ex.meta.facts:
-            sentence = f"The code for {fact.name} is {_spaced(fact.code)} ."
+            sentence = f"The code for {fact.name} {_spaced(fact.code)} ."
             assert ex.prompt.count(sentence) == 1
             # position counts <s>: words[position - 1] is the fact's first word.
-            assert words[fact.position - 1 : fact.position + 10] == sentence.split()
+            assert words[fact.position - 1 : fact.position - 1 + haystack.FACT_TOKENS] == (
+                sentence.split()
+            )
             assert 0.0 < fact.depth < 1.0
         asked = ex.meta.facts[ex.meta.asked]
         assert ex.answer == _spaced(asked.code)
-        assert ex.prompt.endswith(f"Question : what is the code for {asked.name} ? Answer :")
+        assert ex.prompt.endswith(
+            f"Question : what is the code for {asked.name} ? The code for {asked.name}"
+        )
         assert [f.position for f in ex.meta.facts] == sorted(f.position for f in ex.meta.facts)
+
+
+@pytest.mark.parametrize("num_facts", range(1, haystack.MAX_FACTS + 1))
+def test_the_asked_fact_is_in_the_document(num_facts):
+    """The document before the question holds the asked fact, whole and once (a generator that
+    cut facts off made training plateau), and names it nowhere else; at every length."""
+    rng = np.random.default_rng(100 + num_facts)
+    for num_tokens in (haystack.min_tokens(num_facts), 64, 128, 256, 512):
+        if num_tokens < haystack.min_tokens(num_facts):
+            continue
+        for _ in range(10):
+            ex = haystack.make_example(rng, num_tokens, num_facts)
+            document, _, question = ex.prompt.rpartition(" Question : ")
+            asked = ex.meta.facts[ex.meta.asked]
+            fact = f"The code for {asked.name} {ex.answer} ."
+            assert document.count(fact) == 1 and document.split().count(asked.name) == 1
+            assert question.split().count(asked.name) == 2 and "Question" not in document
+            # the question ends with the fact's first 4 words, and the answer follows both
+            assert question.split()[-4:] == fact.split()[:4]
+            assert len(document.split()) == (
+                num_tokens - 1 - haystack.QUESTION_TOKENS - haystack.CODE_LEN
+            )
+
+
+def test_batch_rows_ask_about_a_fact_of_their_document():
+    for seq_len, lo, hi in ((64, 1, 2), (128, 1, 8), (512, 4, 8)):
+        batch = haystack.make_batch(
+            np.random.default_rng(seq_len), 8, seq_len, min_facts=lo, max_facts=hi
+        )
+        for row, mask in zip(batch.tokens, batch.answer_mask, strict=True):
+            prompt = haystack.decode(row[: -haystack.CODE_LEN - 1])  # without answer and </s>
+            answer = haystack.decode(row[1:][mask])
+            document, _, question = prompt.rpartition(" Question : ")
+            name = question.split()[-1]
+            assert f"The code for {name} {answer} ." in document
 
 
 def test_facts_spread_over_depths():
@@ -81,8 +120,10 @@ def test_tokenizer_round_trips_generated_text():
 
 def test_tokenizer_splits_typed_text_like_the_canonical_form():
     tok = demo_tokenizer.build_tokenizer()
-    typed = "The code for Alice is 40917. Question: what is the code for Alice? Answer:"
-    canonical = "The code for Alice is 4 0 9 1 7 . Question : what is the code for Alice ? Answer :"
+    typed = "The code for Alice 40917. Question: what is the code for Alice? The code for Alice"
+    canonical = (
+        "The code for Alice 4 0 9 1 7 . Question : what is the code for Alice ? The code for Alice"
+    )
     assert tok.encode(typed).ids == tok.encode(canonical).ids
     assert " ".join(typed.split()) != canonical  # only the canonical form round-trips exactly
     assert tok.decode(tok.encode(typed).ids) == canonical
@@ -119,7 +160,7 @@ def test_batch_loss_mask_marks_the_answer_digits():
         # the masked targets are the answer, i.e. the code of the fact the question names
         text = haystack.decode(batch.tokens[row])
         name = text.split(" Question : what is the code for ")[1].split()[0]
-        code = text.split(f"The code for {name} is ")[1].split(" .")[0]
+        code = text.split(f"The code for {name} ")[1].split(" .")[0]
         assert haystack.decode(targets[row][mask]) == code
         assert targets[row, -1] == haystack.EOS_ID
         np.testing.assert_array_equal(batch.weights[row][mask], weight)
@@ -161,11 +202,11 @@ def test_recall_rows_restate_the_asked_fact():
         if "Question" in words:
             continue
         recalls += 1
-        name = words[-7]
-        assert words[-10:-5] == ["The", "code", "for", name, "is"]
+        name = words[-6]
+        assert words[-9:-5] == ["The", "code", "for", name]
         # the restated fact is the document's fact about that name, with the same code
         first = words.index(name)
-        assert words[first + 2 : first + 7] == answer
+        assert words[first + 1 : first + 6] == answer
     assert 0 < recalls < 32
     with pytest.raises(ValueError, match="recall_fraction"):
         haystack.make_batch(rng, 2, 96, max_facts=2, recall_fraction=1.5)
