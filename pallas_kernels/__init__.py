@@ -34,12 +34,11 @@ from jkv_kernels.paged_decode_attention import (
     paged_decode_attention,
     paged_decode_attention_reference,
 )
-from jkv_kernels.prefill_attention import (
-    prefill_attention,
-    prefill_attention_blocked,
+from jkv_kernels.prefill_attention import prefill_attention, prefill_attention_reference
+from jkv_kernels.prefill_attention_blocked import prefill_attention_blocked
+from jkv_kernels.prefill_attention_mass import (
     prefill_attention_mass,
     prefill_attention_mass_reference,
-    prefill_attention_reference,
 )
 from jkv_kernels.segment_merge import Merged, segment_merge, segment_merge_reference
 from jkv_kernels.window_scores import window_scores, window_scores_reference

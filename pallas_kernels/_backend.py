@@ -135,3 +135,49 @@ def to_bits(x):
 
 def from_bits(x, dtype):
     return lax.bitcast_convert_type(x, FP8) if jnp.dtype(dtype) == FP8 else x
+
+
+# --- In-kernel pieces of the attention kernels (flash / flash-decoding) -----------------------
+
+
+def to_f32(x, fp8: bool):
+    """A loaded block as float32: FP8 decoded from its bits, other storage cast."""
+    return fp8_bits_to_f32(x) if fp8 else x.astype(jnp.float32)
+
+
+def visible_slots(valid, pos, qpos, *, causal: bool, window):
+    """[bs] slots one query at `qpos` sees: valid, not after it (causal), inside the window."""
+    keep = valid
+    if causal:
+        keep = keep & (pos <= qpos)
+    if window:
+        keep = keep & (qpos - pos < window)
+    return keep
+
+
+def softmax_start(rows: int, h: int):
+    """The online softmax's carry for `rows` query rows: (o [rows, H], max m, sum l)."""
+    return (
+        jnp.zeros((rows, h), jnp.float32),
+        jnp.full((rows,), -jnp.inf, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+
+
+def softmax_update(carry, z, values, compute_dtype, value_scale=None):
+    """One key block of the online softmax (Milakov & Gimelshein; flash attention).
+
+    carry (o [R, H], m [R], l [R]); z [R, bs] float32 logits, -inf where masked; values [bs, H]
+    float32 (0 where dead: masked loads); value_scale [bs] FP8 scales, folded into p so the dot
+    reads the decoded bits as they are.
+    """
+    o, m, lsum = carry
+    m_new = jnp.maximum(m, z.max(axis=1))
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # all dead so far: keep exp finite
+    alpha = jnp.exp(m - m_use)
+    p = jnp.exp(z - m_use[:, None])  # [R, bs]
+    lsum = alpha * lsum + p.sum(axis=1)
+    if value_scale is not None:
+        p = p * value_scale[None, :]
+    o = alpha[:, None] * o + dot(p.astype(compute_dtype), values.astype(compute_dtype))
+    return o, m_new, lsum

@@ -114,11 +114,9 @@ def decode_attention_kernel(
     else:
         q = bk.load(q_ref, mask=row_ok[:, None], other=0).astype(compute_dtype)
 
-    def decode(x):
-        return bk.fp8_bits_to_f32(x) if fp8 else x.astype(jnp.float32)
+    decode = functools.partial(bk.to_f32, fp8=fp8)
 
     def body(i, carry):
-        o, m, lsum = carry
         s0 = lo + i * block_s
         slots = s0 + jnp.arange(block_s)
         valid = slots < length
@@ -140,32 +138,18 @@ def decode_attention_kernel(
         z = z * sm_scale
         if bias:
             z = z + bk.load(bias_ref.at[rows], mask=valid, other=0).astype(jnp.float32)[None, :]
-        keep = valid
-        if causal:
-            keep = keep & (pos <= qpos)
-        if window:
-            keep = keep & (qpos - pos < window)
+        keep = bk.visible_slots(valid, pos, qpos, causal=causal, window=window)
         # where, not a multiplicative mask: garbage (NaN) in a dead slot must not leak.
         z = jnp.where(keep[None, :], z, -jnp.inf)
         if mass:
             bk.store(z_ref.at[:, rows], z, mask=row_ok[:, None] & (slots < s_total)[None, :])
-        m_new = jnp.maximum(m, z.max(axis=1))
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # all dead so far: keep exp finite
-        alpha = jnp.exp(m - m_use)
-        p = jnp.exp(z - m_use[:, None])  # [Gp, bs]
-        lsum = alpha * lsum + p.sum(axis=1)
+        vs = None
         if fp8:
-            p = p * bk.load(vs_ref.at[rows], mask=valid, other=0).astype(jnp.float32)[None, :]
+            vs = bk.load(vs_ref.at[rows], mask=valid, other=0).astype(jnp.float32)
         vb = decode(bk.load(v_ref.at[rows, :], mask=valid[:, None], other=0))
-        o = alpha[:, None] * o + bk.dot(p.astype(compute_dtype), vb.astype(compute_dtype))
-        return o, m_new, lsum
+        return bk.softmax_update(carry, z, vb, compute_dtype, vs)
 
-    init = (
-        jnp.zeros((gp, h), jnp.float32),
-        jnp.full((gp,), -jnp.inf, jnp.float32),
-        jnp.zeros((gp,), jnp.float32),
-    )
-    o, m, lsum = jax.lax.fori_loop(0, n_blocks, body, init)
+    o, m, lsum = jax.lax.fori_loop(0, n_blocks, body, bk.softmax_start(gp, h))
     bk.store(o_ref, o, mask=row_ok[:, None])
     bk.store(m_ref, m, mask=row_ok)
     bk.store(l_ref, lsum, mask=row_ok)
@@ -225,7 +209,27 @@ def _validate(
             raise ValueError(f"{q_positions.shape=} {q_positions.dtype=}: expected int32 [{b}]")
 
 
-def _combine(o, m, lsum, z, lengths):
+def split_outputs(b, kh, num_splits, g, gp, h, s, return_mass):
+    """Shapes and BlockSpecs of flash-decoding's per-split results on the grid (B, K, splits):
+    o [B, K, NS, G, H], m and l [B, K, NS, G] (one block per (row, kv head, split), Gp >= G
+    rows padded for the dots), and with `return_mass` the logits z [B, K, G, S] (every split
+    writes its own slot range)."""
+    split = lambda *blk: pl.BlockSpec(
+        (None, None, None, *blk), lambda i, j, t: (i, j, t) + (0,) * len(blk)
+    )
+    out_shape = [
+        jax.ShapeDtypeStruct((b, kh, num_splits, g, h), jnp.float32),  # o
+        jax.ShapeDtypeStruct((b, kh, num_splits, g), jnp.float32),  # m
+        jax.ShapeDtypeStruct((b, kh, num_splits, g), jnp.float32),  # l
+    ]
+    out_specs = [split(gp, h), split(gp), split(gp)]
+    if return_mass:
+        out_shape.append(jax.ShapeDtypeStruct((b, kh, g, s), jnp.float32))
+        out_specs.append(pl.BlockSpec((None, None, gp, s), lambda i, j, _: (i, j, 0, 0)))
+    return out_shape, out_specs
+
+
+def combine_splits(o, m, lsum, z, lengths):
     """Merges the splits: o [B,K,NS,G,H], m, l [B,K,NS,G], z [B,K,G,S] -> out, mass, lse."""
     m_max = m.max(axis=2)  # [B, K, G]
     m_use = jnp.where(m_max == -jnp.inf, 0.0, m_max)
@@ -366,18 +370,7 @@ def decode_attention(
         args.append(rope_inv_freq.astype(jnp.float32))
         in_specs.append(pl.BlockSpec((h // 2,), lambda i, j, _: (0,)))
 
-    split = lambda *blk: pl.BlockSpec(
-        (None, None, None, *blk), lambda i, j, t: (i, j, t) + (0,) * len(blk)
-    )
-    out_shape = [
-        jax.ShapeDtypeStruct((b, kh, num_splits, g, h), jnp.float32),  # o
-        jax.ShapeDtypeStruct((b, kh, num_splits, g), jnp.float32),  # m
-        jax.ShapeDtypeStruct((b, kh, num_splits, g), jnp.float32),  # l
-    ]
-    out_specs = [split(gp, h), split(gp), split(gp)]  # one block per (row, kv head, split)
-    if return_mass:
-        out_shape.append(jax.ShapeDtypeStruct((b, kh, g, s), jnp.float32))
-        out_specs.append(per_kv(gp, s))  # every split writes its own S range of the row
+    out_shape, out_specs = split_outputs(b, kh, num_splits, g, gp, h, s, return_mass)
 
     kernel = functools.partial(
         decode_attention_kernel,
@@ -403,7 +396,7 @@ def decode_attention(
         interpret=interpret,
         name="jkv_decode_attention",
     )(*args)
-    out, mass, lse = _combine(*outs[:3], outs[3] if return_mass else None, lengths)
+    out, mass, lse = combine_splits(*outs[:3], outs[3] if return_mass else None, lengths)
     return _outputs(out.reshape(b, n, h).astype(q.dtype), mass, lse.reshape(b, n), return_lse)
 
 

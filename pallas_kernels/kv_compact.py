@@ -1,8 +1,8 @@
 """Compaction of the KV cache: gather the kept slots of each (row, kv head) to the front.
 
 A keep selection per (row, kv head) is either
-  * a bit-packed mask [B, K, ceil(S/32)] uint32: bit j of word w keeps slot 32*w + j (seed 2.5:
-    the kernel reads the packed bits directly), or
+  * a bit-packed mask [B, K, ceil(S/32)] uint32: bit j of word w keeps slot 32*w + j
+    (the kernel reads the packed bits directly), or
   * indices [B, K, C] int32: entries outside [0, len) (e.g. -1 or S padding) are skipped; the
     valid ones must be strictly ascending (what `mask_to_indices` and a sorted top-k give).
 Either way a slot is kept only if it is also below the input length. Maths, per (b, k):

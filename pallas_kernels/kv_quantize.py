@@ -31,7 +31,7 @@ _IN_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.flo
 _SCALE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
-def _quantize_block(x, scale_dtype):
+def quantize_block(x, scale_dtype):
     """x [bt, H] -> (uint8 E4M3 bits [bt, H], scale [bt] in scale_dtype)."""
     x = x.astype(jnp.float32)
     absmax = jnp.max(jnp.abs(x), axis=1)
@@ -46,7 +46,7 @@ def quantize_kernel(x_ref, q_ref, s_ref, *, n_tokens: int, block_t: int):
     # s_ref: [bt] scales out
     t = pl.program_id(2) * block_t + jnp.arange(block_t)
     ok = t < n_tokens
-    bits, scale = _quantize_block(bk.load(x_ref, mask=ok[:, None], other=0), s_ref.dtype)
+    bits, scale = quantize_block(bk.load(x_ref, mask=ok[:, None], other=0), s_ref.dtype)
     bk.store(q_ref, bits, mask=ok[:, None])
     bk.store(s_ref, scale, mask=ok)
 
@@ -66,7 +66,7 @@ def quantize_append_kernel(
     t = t0 + jnp.arange(block_t)
     start = start_ref[()]
     ok = (t < n_tokens) & (t < n_ref[()]) & (start + t < s_total)
-    bits, scale = _quantize_block(bk.load(new_ref, mask=ok[:, None], other=0), scale_ref.dtype)
+    bits, scale = quantize_block(bk.load(new_ref, mask=ok[:, None], other=0), scale_ref.dtype)
     rows = pl.ds(start + t0, block_t)
     bk.store(cache_ref.at[rows, :], bits, mask=ok[:, None])
     bk.store(scale_ref.at[rows], scale, mask=ok)

@@ -30,7 +30,7 @@ heads of one kv head (padded to 16 rows for Triton's dot) and one contiguous ran
 table; blocks of `pages_per_block` pages are visited only below the length. The pool stays in
 HBM as raw pointers: each slot's page id is read from the table inside the kernel and its row
 gathered by address (64-bit offsets once the pool passes 4 GiB), so no page is ever copied.
-A jnp combine merges the splits (`decode_attention._combine`). FP8 is decoded from its bits in
+A jnp combine merges the splits (`decode_attention.combine_splits`). FP8 is decoded from its bits in
 registers; for `return_mass` the kernel writes the masked logits and the combine normalises them.
 
 Bytes per call (memory bound; itemsize 4 / 2 / 1 for f32 / bf16 / fp8; len summed over (b, k)):
@@ -53,9 +53,10 @@ from jax.experimental import pallas as pl
 
 from jkv_kernels import _backend as bk
 from jkv_kernels.decode_attention import (
-    _combine,
     apply_rope_reference,
+    combine_splits,
     decode_attention_reference,
+    split_outputs,
 )
 
 # Two waves of programs on a 132-SM GPU (H100/H200) keep every SM busy for one long row.
@@ -140,11 +141,9 @@ def paged_decode_attention_kernel(
     else:
         q = bk.load(q_ref, mask=row_ok[:, None], other=0).astype(compute_dtype)
 
-    def decode(x):
-        return bk.fp8_bits_to_f32(x) if fp8 else x.astype(jnp.float32)
+    decode = functools.partial(bk.to_f32, fp8=fp8)
 
     def body(i, carry):
-        o, m, lsum = carry
         s0 = lo + i * block_s
         slots = s0 + jnp.arange(block_s)
         valid = slots < length
@@ -170,34 +169,19 @@ def paged_decode_attention_kernel(
             ks = bk.load(ks_ref.at[page, offs], mask=valid, other=0).astype(jnp.float32)
             z = z * ks[None, :]
         z = z * sm_scale
-        keep = valid
-        if causal:
-            keep = keep & (pos <= qpos)
-        if window:
-            keep = keep & (qpos - pos < window)
+        keep = bk.visible_slots(valid, pos, qpos, causal=causal, window=window)
         # where, not a multiplicative mask: garbage (NaN) in a dead slot must not leak.
         z = jnp.where(keep[None, :], z, -jnp.inf)
         if mass:
             rows = pl.ds(s0, block_s)
             bk.store(z_ref.at[:, rows], z, mask=row_ok[:, None] & (slots < s_total)[None, :])
-        m_new = jnp.maximum(m, z.max(axis=1))
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # all dead so far: keep exp finite
-        alpha = jnp.exp(m - m_use)
-        p = jnp.exp(z - m_use[:, None])  # [Gp, bs]
-        lsum = alpha * lsum + p.sum(axis=1)
+        vs = None
         if fp8:
             vs = bk.load(vs_ref.at[page, offs], mask=valid, other=0).astype(jnp.float32)
-            p = p * vs[None, :]
         vb = decode(gather(v_ref, page, valid, 0, h))
-        o = alpha[:, None] * o + bk.dot(p.astype(compute_dtype), vb.astype(compute_dtype))
-        return o, m_new, lsum
+        return bk.softmax_update(carry, z, vb, compute_dtype, vs)
 
-    init = (
-        jnp.zeros((gp, h), jnp.float32),
-        jnp.full((gp,), -jnp.inf, jnp.float32),
-        jnp.zeros((gp,), jnp.float32),
-    )
-    o, m, lsum = jax.lax.fori_loop(0, n_blocks, body, init)
+    o, m, lsum = jax.lax.fori_loop(0, n_blocks, body, bk.softmax_start(gp, h))
     bk.store(o_ref, o, mask=row_ok[:, None])
     bk.store(m_ref, m, mask=row_ok)
     bk.store(l_ref, lsum, mask=row_ok)
@@ -443,18 +427,7 @@ def paged_decode_attention(
         args.append(rope_inv_freq.astype(jnp.float32))
         in_specs.append(whole(h // 2))
 
-    split = lambda *blk: pl.BlockSpec(
-        (None, None, None, *blk), lambda i, j, t: (i, j, t) + (0,) * len(blk)
-    )
-    out_shape = [
-        jax.ShapeDtypeStruct((b, kh, num_splits, g, h), jnp.float32),  # o
-        jax.ShapeDtypeStruct((b, kh, num_splits, g), jnp.float32),  # m
-        jax.ShapeDtypeStruct((b, kh, num_splits, g), jnp.float32),  # l
-    ]
-    out_specs = [split(gp, h), split(gp), split(gp)]  # one block per (row, kv head, split)
-    if return_mass:
-        out_shape.append(jax.ShapeDtypeStruct((b, kh, g, s), jnp.float32))
-        out_specs.append(per_kv(gp, s))  # every split writes its own slot range of the head
+    out_shape, out_specs = split_outputs(b, kh, num_splits, g, gp, h, s, return_mass)
 
     kernel = functools.partial(
         paged_decode_attention_kernel,
@@ -482,7 +455,7 @@ def paged_decode_attention(
         interpret=interpret,
         name="jkv_paged_decode_attention",
     )(*args)
-    out, mass, _ = _combine(*outs[:3], outs[3] if return_mass else None, lengths)
+    out, mass, _ = combine_splits(*outs[:3], outs[3] if return_mass else None, lengths)
     out = out.reshape(b, n, h).astype(q.dtype)
     return (out, mass) if return_mass else out
 

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jkv_kernels import _backend as bk
-from jkv_kernels.kv_quantize import _quantize_block, quantize_reference
+from jkv_kernels.kv_quantize import quantize_block, quantize_reference
 
 _STORAGE = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), bk.FP8)
 
@@ -91,8 +91,8 @@ def segment_merge_kernel(*refs, fp8: bool, has_pos: bool, n_slots: int, block_c:
     n = jnp.maximum(counts, 1).astype(jnp.float32)[:, None]
     kmean, vmean = ksum / n, vsum / n
     if fp8:
-        kbits, kscale = _quantize_block(kmean, kso_ref.dtype)
-        vbits, vscale = _quantize_block(vmean, vso_ref.dtype)
+        kbits, kscale = quantize_block(kmean, kso_ref.dtype)
+        vbits, vscale = quantize_block(vmean, vso_ref.dtype)
         bk.store(ko_ref, kbits, mask=c_ok[:, None])
         bk.store(vo_ref, vbits, mask=c_ok[:, None])
         bk.store(kso_ref, kscale, mask=c_ok)

@@ -11,12 +11,11 @@ import pytest
 
 from jkv_kernels.kv_compact import pack_mask
 from jkv_kernels.kv_quantize import quantize_reference
-from jkv_kernels.prefill_attention import (
-    prefill_attention,
-    prefill_attention_blocked,
+from jkv_kernels.prefill_attention import prefill_attention, prefill_attention_reference
+from jkv_kernels.prefill_attention_blocked import prefill_attention_blocked
+from jkv_kernels.prefill_attention_mass import (
     prefill_attention_mass,
     prefill_attention_mass_reference,
-    prefill_attention_reference,
 )
 
 DTYPES = {"f32": np.float32, "bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}
