@@ -46,7 +46,7 @@ test: $(DEV_STAMP) redis
 # exactly), then writes models/demo as a Hugging Face folder. TRAIN_ARGS, e.g. --max-minutes 60.
 TRAIN_ARGS ?=
 train-demo: $(DEV_STAMP)
-	$(PY) -m jkv_models.train_demo --out tmp/demo-train --final tmp/demo-final --resume $(TRAIN_ARGS)
+	$(PY) -m jkv.demo.train --out tmp/demo-train --final tmp/demo-final --resume $(TRAIN_ARGS)
 	@if [ -d tmp/demo-final ]; then $(VENV)/bin/jkv export-hf tmp/demo-final models/demo --overwrite \
 	  && cp tmp/demo-final/training.json models/demo/; \
 	else echo "training stopped before the end: run 'make train-demo' again to continue"; fi

@@ -57,10 +57,10 @@ import msgpack  # noqa: E402
 import numpy as np  # noqa: E402
 import redis  # noqa: E402
 
-from jkv.cache import Record, ResponseCache  # noqa: E402
-from jkv.cache.codec import encode  # noqa: E402
-from jkv.cache.keys import KeyHasher  # noqa: E402
-from jkv.cache.l1 import L1Cache  # noqa: E402
+from jkv.response_cache import Record, ResponseCache  # noqa: E402
+from jkv.response_cache.codec import encode  # noqa: E402
+from jkv.response_cache.keys import KeyHasher  # noqa: E402
+from jkv.response_cache.l1 import L1Cache  # noqa: E402
 
 MODEL = f"bench-{os.getpid()}-{time.time_ns() % 10**9}"  # fresh keys even on a shared Redis
 VERSION = "model-identity-0123456789abcdef"
@@ -341,12 +341,12 @@ def generate_cases(url: str, prompts: list[str], reps: int, zipf: float) -> dict
     the same request. The prompts' entries are stored with `put` (generating thousands of
     answers would take hours); one real generation checks that the hit equals it."""
     import jkv
-    from jkv.cached import request_settings
-    from jkv.generate import _GENERATE_DEFAULTS, Request
+    from jkv.request import Request
+    from jkv.response_cache.front import request_settings
 
     params = jkv.load("demo")
     kw = dict(max_new_tokens=6)
-    req = Request.build(params, **{**_GENERATE_DEFAULTS, **kw})
+    req = Request.build(params, **{**kw})
     settings = request_settings(req, params)
     cache = ResponseCache(url, node_id="bench-generate", l1_max_entries=len(prompts))
     made = jkv.generate(params, prompts[0], cache=cache, **kw)
@@ -370,7 +370,7 @@ def generate_cases(url: str, prompts: list[str], reps: int, zipf: float) -> dict
 def hit_vs_generation(redis_url: str, reps: int = 5) -> dict:
     """One jkv.generate call on the model vs the same call answered by L1 and by L2."""
     import jkv
-    from jkv_models.haystack import make_example
+    from jkv.demo.haystack import make_example
 
     params = jkv.load("demo")
     ctx = params.config.max_position_embeddings

@@ -23,6 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
+# tests/tiny_hf.py, the tests' fixture writer of tiny random Hugging Face checkpoints (it
+# imports torch and transformers only when it writes one).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from tiny_hf import write_tiny_checkpoint  # noqa: E402
+
 THREADS = 2
 os.environ.setdefault(
     "XLA_FLAGS",
@@ -72,7 +77,6 @@ def bench_config(
     import transformers
 
     import jkv
-    from jkv_models.tiny_hf import write_tiny_checkpoint
 
     folder = write_tiny_checkpoint(
         workdir / name, "llama", max_position_embeddings=2048, initializer_range=0.02, **spec

@@ -15,8 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
+
+# tests/tiny_hf.py, the tests' fixture writer of tiny random Hugging Face checkpoints (it
+# imports torch and transformers only when it writes one).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from tiny_hf import write_tiny_checkpoint  # noqa: E402
 
 os.environ.setdefault(
     "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=true intra_op_parallelism_threads=2"
@@ -85,7 +91,6 @@ def decode_speed(lengths, prompt_len: int, settings):
     import numpy as np
 
     import jkv
-    from jkv_models.tiny_hf import write_tiny_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_tiny_checkpoint(

@@ -45,7 +45,7 @@ KVPRESS_FOR = {  # the kvpress press of the same method, for the side-by-side ro
 # ---------------------------------------------------------------------------- data
 def haystack_examples(seed: int, n: int, context: int, facts: int):
     """`n` (context, question, answer) triples: each prompt split at its last "Question :"."""
-    from jkv_models.haystack import split_examples
+    from jkv.demo.haystack import split_examples
 
     return split_examples(seed, n, context, facts)
 
@@ -54,7 +54,7 @@ def filler_texts(seed: int, n: int, context: int, continuation: int):
     """(prompt, held-out continuation) pairs of plain filler."""
     import numpy as np
 
-    from jkv_models.haystack import make_filler
+    from jkv.demo.haystack import make_filler
 
     rng = np.random.default_rng(seed)
     out = []
@@ -140,7 +140,7 @@ def jkv_perplexity(params, fillers, policy, ratio):
     import numpy as np
 
     import jkv
-    from jkv.prefill import score
+    from jkv.scoring import score
 
     nll = []
     for prompt, cont in fillers:
@@ -192,9 +192,9 @@ def beyond_context(params, trained: int, times: int, *, window: int = 64, seed: 
     (every `window` tokens) and in-context vs past-context summaries."""
     import numpy as np
 
+    from jkv.demo.haystack import make_filler
     from jkv.policies import StreamingLLM
-    from jkv.prefill import stream_score
-    from jkv_models.haystack import make_filler
+    from jkv.scoring import stream_score
 
     text = make_filler(np.random.default_rng(seed), trained * times - 1)  # + <s>
     out = {"trained_context": trained, "tokens": trained * times, "window": window, "runs": {}}
@@ -376,10 +376,10 @@ def load_model(name: str):
         return jkv.load(name), name
     import jax
 
+    from jkv.demo.tokenizer import build_tokenizer
     from jkv.params import Params, fingerprint
     from jkv.tokenizer import Tokenizer
     from jkv_models.config import ModelConfig
-    from jkv_models.demo_tokenizer import build_tokenizer
     from jkv_models.llama import init_params
 
     tok = build_tokenizer()

@@ -464,7 +464,7 @@ def free_text(
 # ------------------------------------------------------------------------------------ CLI
 def haystack_examples(seed: int, n: int, context: int, facts: int):
     """`n` (context, question, answer) triples: each prompt split at its last "Question :"."""
-    from jkv_models.haystack import split_examples
+    from jkv.demo.haystack import split_examples
 
     return split_examples(seed, n, context, facts)
 

@@ -6,12 +6,12 @@ print(result.text, result.kv_bytes)
 """
 
 from jkv import embedding  # jkv.embedding.ModelEmbedder, fit_clusters
-from jkv.cache import ResponseCache
 from jkv.checkpoints import convert, load
 from jkv.checkpoints import save as _save
 from jkv.checkpoints.export import export_hf
-from jkv.generate import GenerationResult, generate, logits, stream
+from jkv.generate import generate, stream
 from jkv.memory import MemoryReport, memory
+from jkv.output import GenerationResult
 from jkv.params import Params
 from jkv.policies import (
     H2O,
@@ -25,6 +25,8 @@ from jkv.policies import (
     StreamingLLM,
 )
 from jkv.prefill import prefill
+from jkv.response_cache import ResponseCache
+from jkv.scoring import logits
 
 __version__ = "0.1.0"
 

@@ -12,9 +12,15 @@ import os
 import sys
 from pathlib import Path
 
+import jkv
+from jkv import __version__
+from jkv.checkpoints import DEMO_DIR, default_name
+from jkv.checkpoints.hf import check_headers
+from jkv.checkpoints.orbax import MARKER, config_from_json, read_meta
+from jkv.kv import KV_DTYPES
+from jkv.memory import memory, token_bytes
+from jkv.response_cache import cli as cache_cli
 from jkv_models.config import ModelConfig, preset
-
-KV_DTYPES = ("float32", "bfloat16", "float8_e4m3fn")
 
 
 class UsageError(Exception):
@@ -82,8 +88,6 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("model", help="a checkpoint folder or a preset name")
     i.add_argument("--json", action="store_true")
 
-    from jkv.cache import cli as cache_cli
-
     cache_cli.add_subcommands(sub)
 
     m = sub.add_parser("memory", help="KV-cache bytes for a model, batch, context and policy")
@@ -113,8 +117,6 @@ def _budget(text: str) -> int | float:
 
 def _read_config(model: str) -> tuple[ModelConfig, str]:
     """The config of a preset or a checkpoint folder, without loading any weights."""
-    from jkv.checkpoints import DEMO_DIR
-    from jkv.checkpoints.orbax import MARKER, config_from_json, read_meta
 
     path = DEMO_DIR if model == "demo" else Path(model)
     if path.is_dir():
@@ -124,8 +126,6 @@ def _read_config(model: str) -> tuple[ModelConfig, str]:
                 raise ValueError(f"{path / MARKER}: holds no config")
             return config_from_json(meta["config"], str(path / MARKER)), "jkv"
         if (path / "config.json").is_file():
-            from jkv.checkpoints.hf import check_headers
-
             return check_headers(path), "hugging face"  # every tensor's header, no data
         raise ValueError(f"model={model!r} holds no config.json or jkv.json")
     if path.exists():
@@ -137,8 +137,6 @@ def _read_config(model: str) -> tuple[ModelConfig, str]:
 
 
 def cmd_info(args) -> int:
-    from jkv.checkpoints import default_name
-    from jkv.memory import token_bytes
 
     cfg, kind = _read_config(args.model)
     info = {
@@ -172,8 +170,6 @@ def cmd_info(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    import jkv
-
     out = jkv.convert(
         args.hf_dir,
         args.out_dir,
@@ -187,8 +183,6 @@ def cmd_convert(args) -> int:
 
 
 def cmd_export_hf(args) -> int:
-    import jkv
-
     out = jkv.export_hf(jkv.load(args.model), args.out_dir, overwrite=args.overwrite)
     print(f"wrote {out}")
     return 0
@@ -218,8 +212,6 @@ def use_compile_cache() -> None:
 
 
 def cmd_generate(args) -> int:
-    import jkv
-
     if not args.no_compile_cache:
         use_compile_cache()
     params = jkv.load(args.model)
@@ -263,8 +255,6 @@ def cmd_generate(args) -> int:
 
 
 def cmd_memory(args) -> int:
-    from jkv.memory import memory
-
     cfg, _ = _read_config(args.model)
     r = memory(
         cfg,
@@ -308,15 +298,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
         if args.version:
-            from jkv import __version__
-
             print(f"jkv {__version__}")
             return 0
         if args.command is None:
             raise UsageError("a command is required: " + ", ".join([*COMMANDS, "cache"]))
         if args.command == "cache":
-            from jkv.cache import cli as cache_cli
-
             return cache_cli.run(args)
         return COMMANDS[args.command](args)
     except (UsageError, ValueError) as e:

@@ -1,7 +1,7 @@
 """The response cache's default embedder: the served model's mean-pooled hidden state.
 
 `ModelEmbedder(params)` maps a prompt to the mean of its final-norm hidden states (one causal
-pass, no cache); `fit_clusters` fits k-means centroids (`jkv.cache.KMeansClusterer`) on sample
+pass, no cache); `fit_clusters` fits k-means centroids (`jkv.response_cache.KMeansClusterer`) on sample
 prompts. Handed to `jkv.ResponseCache(embedder=..., clusterer=...)`, they give every cached
 answer the id of its nearest centroid, its "knowledge group": `cache.invalidate_group(model, id)`
 then drops every answer about that topic on every node after the knowledge behind it changes.
@@ -15,9 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jkv.cache.embed import KMeansClusterer
+from jkv.kv import bucket
 from jkv.params import Params
-from jkv.prefill import bucket, encode_prompts
+from jkv.prompt import encode_prompts
+from jkv.response_cache.clusters import KMeansClusterer
 from jkv_models.llama import hidden_states
 
 

@@ -5,7 +5,7 @@ per (row, kv head): after a policy evicts, kv head 0 of row 1 may hold different
 head 1, and `lengths` says how many slots of each are valid (slots 0..len-1). `positions` keeps
 the original token position of each slot, which attention masks and RoPE need after eviction.
 
-Bytes (seed 2.1): K and V hold `2 * B * S * K * H * itemsize` per layer; fp8 storage adds a
+Bytes: K and V hold `2 * B * S * K * H * itemsize` per layer; fp8 storage adds a
 bfloat16 scale per (row, kv head, slot) for each of K and V. `positions` (int32) and `lengths`
 are bookkeeping, counted separately, as are the float32 `scores` a policy keeps per slot
 (H2O's accumulated attention).
@@ -25,6 +25,8 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jkv_kernels import mask_to_indices, pack_mask
 
 KV_DTYPES = ("float32", "bfloat16", "float8_e4m3fn")
 SCALE_DTYPE = jnp.bfloat16  # 2 bytes: keeps fp8 KV at ~0.51x bf16 with scales counted
@@ -137,6 +139,16 @@ class KVState:
         return dataclasses.replace(self, **changes)
 
 
+def dequantised(layer: LayerKV, dtype) -> tuple[jax.Array, jax.Array]:
+    """(K, V) `[B, K, S, H]` in `dtype`: fp8 storage times its scales (float32 maths), other
+    storage cast. The Pallas kernels do the same on read, in registers."""
+    k, v = layer.k, layer.v
+    if layer.k_scale is not None:
+        k = k.astype(jnp.float32) * layer.k_scale[..., None].astype(jnp.float32)
+        v = v.astype(jnp.float32) * layer.v_scale[..., None].astype(jnp.float32)
+    return k.astype(dtype), v.astype(dtype)
+
+
 def validate_kv_dtype(kv_dtype: str) -> str:
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype={kv_dtype!r} is not supported; expected one of {KV_DTYPES}")
@@ -244,13 +256,11 @@ def compact(layer: LayerKV, keep: jax.Array, capacity: int, *, compact_fn) -> La
     """Keeps the slots where `keep` `[B, K, S]` is true (and below the length), in slot order,
     in a new cache of `capacity` slots: what is dropped is gone from memory.
 
-    The selection travels as a bit-packed mask (seed 2.5) to `compact_fn`, which is
+    The selection travels as a bit-packed mask (one bit per slot) to `compact_fn`, which is
     `jkv_kernels.kv_compact` or its reference; the policy scores and slot biases follow the
     same gather, a low-rank store is kept as it is. A capacity above the current one compacts
     in place, then adds empty slots.
     """
-    from jkv_kernels import mask_to_indices, pack_mask
-
     inner = min(capacity, layer.capacity)
     keep = keep & (jnp.arange(layer.capacity) < layer.lengths[:, :, None])
     out = compact_fn(
@@ -282,10 +292,10 @@ def compact(layer: LayerKV, keep: jax.Array, capacity: int, *, compact_fn) -> La
         bias=follow(layer.bias),
         lowrank=layer.lowrank,
     )
-    return grow(compacted, capacity - inner)
+    return pad_slots(compacted, capacity - inner)
 
 
-def grow(layer: LayerKV, extra: int) -> LayerKV:
+def pad_slots(layer: LayerKV, extra: int) -> LayerKV:
     """The same cache with `extra` more (empty) slots at the end, in new buffers (donating the
     result never consumes `layer`)."""
 
@@ -309,8 +319,18 @@ def grow(layer: LayerKV, extra: int) -> LayerKV:
     )
 
 
+def with_room(state: KVState, extra: int) -> KVState:
+    """The state with `extra` empty slots added to every layer (fresh arrays: the caller's state
+    is left intact, so one compressed context can serve many questions)."""
+    return state.replace(
+        layers=tuple(pad_slots(x, extra) for x in state.layers),
+        next_position=jnp.array(state.next_position, copy=True),
+        limit=jnp.array(state.limit, copy=True),
+    )
+
+
 def nbytes(state: KVState) -> int:
-    """Bytes of K, V and their fp8 scales: the seed 2.1 figure for the allocated state (with
+    """Bytes of K, V and their fp8 scales: the 2 * S * K * H * itemsize per layer and row of the allocated state (with
     the segment rebuild's slot biases and low-rank factors, which attention reads as K and V)."""
     total = 0
     for layer in state.layers:
@@ -324,7 +344,7 @@ def nbytes(state: KVState) -> int:
 
 def bookkeeping_bytes(state: KVState) -> int:
     """Bytes of positions, lengths, policy scores and low-rank counts, ranks and positions
-    (outside the seed formula; reported beside it)."""
+    (outside the K/V formula; reported beside it)."""
     total = state.next_position.nbytes
     for layer in state.layers:
         total += layer.positions.nbytes + layer.lengths.nbytes

@@ -1,4 +1,4 @@
-"""The seed 2.1 calculator: KV bytes for a model, batch, context, dtype and policy.
+"""The KV-cache calculator: bytes for a model, batch, context, dtype and policy.
 
 Per layer, K and V hold `2 * batch * slots * n_kv_heads * head_dim * dtype_bytes` (GQA: kv heads,
 not query heads); fp8 storage adds a bfloat16 scale per (row, kv head, slot) for each of K and
@@ -39,8 +39,8 @@ class MemoryReport:
 
 
 def token_bytes(cfg: ModelConfig, kv_dtype: str) -> int:
-    """Bytes one token occupies in one layer's cache: K and V of every kv head (the seed's
-    formula), plus their bfloat16 scales under fp8 storage."""
+    """Bytes one token occupies in one layer's cache: K and V of every kv head (2 * K * H
+    * itemsize), plus their bfloat16 scales under fp8 storage."""
     item = jnp.dtype(kv_dtype).itemsize
     scales = 2 * jnp.dtype(kvlib.SCALE_DTYPE).itemsize if kv_dtype == "float8_e4m3fn" else 0
     return cfg.num_kv_heads * (2 * cfg.head_dim * item + scales)
@@ -66,7 +66,7 @@ def memory(
     kv_policy=None,
     kv_budget=None,
 ) -> MemoryReport:
-    """KV-cache bytes (seed 2.1) for `batch` rows of a `seq_len`-token context.
+    """KV-cache bytes for `batch` rows of a `seq_len`-token context.
 
     Args:
       model: a preset name ("llama-3.1-8b", ...), a `ModelConfig`, or loaded params.
@@ -74,7 +74,7 @@ def memory(
       seq_len: prompt tokens of the longest row.
       max_new_tokens: tokens each row may generate, as in `jkv.generate` (policies that evict
         keep a fixed size instead).
-      kv_dtype: "float32", "bfloat16", "float8_e4m3fn" or "float16" (the seed's example);
+      kv_dtype: "float32", "bfloat16", "float8_e4m3fn" or "float16" (a common serving dtype);
         default: the model's dtype.
       kv_policy, kv_budget: as in `jkv.generate`.
 
@@ -103,11 +103,9 @@ def memory(
     scales = [batch * s * (per_token - kv_part) for s in slots]
     per_slot = batch * cfg.num_kv_heads
     extra = [(0, 0)] * len(slots)
-    if isinstance(policy, policies.SnapKVSegments):
-        from jkv.policies.segments import store_bytes
-
+    if policy is not None:
         extra = [
-            store_bytes(
+            policy.extra_bytes(
                 s, batch=batch, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, kv_dtype=dtype
             )
             for s in slots

@@ -45,7 +45,7 @@ class Params:
         weights: nested dict of arrays, models.llama layout.
         config: the model's shape and numerics.
         tokenizer: text <-> ids; None for token-id prompts only.
-        name: the model's name in response-cache keys (see `jkv.cache.keys`).
+        name: the model's name in response-cache keys (see `jkv.response_cache.keys`).
         mesh: the `jax.sharding.Mesh` the weights are placed on, if any.
         version: the fingerprint of exactly these arrays when the caller computed it already
             (a loader that hashed each tensor while streaming it); seeds the memo of `version`

@@ -332,7 +332,7 @@ PRESETS: dict[str, ModelConfig] = {
         tie_word_embeddings=True,
         dtype="bfloat16",
     ),
-    # Multi-head attention (32 kv heads): the seed's 2.1 worked example.
+    # Multi-head attention (32 kv heads): the classic worked example of KV bytes.
     "llama-2-7b": ModelConfig(
         vocab_size=32000,
         hidden_size=4096,

@@ -6,7 +6,9 @@ import os
 
 import pytest
 
-from jkv_models.tiny_hf import KINDS, write_tiny_checkpoint
+# tests/tiny_hf.py: pytest's default import mode puts tests/ (no __init__.py) on sys.path for this
+# conftest, so every test folder imports it as `tiny_hf`.
+from tiny_hf import KINDS, write_tiny_checkpoint
 
 # The CLI's persistent compilation cache stays off in tests (and their subprocesses), unless a
 # test points it at a folder of its own.

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jkv import kv as kvlib
-from jkv.attention import cached_attention_reference
+from jkv.core.attention import cached_attention_reference
 
 
 def _layer(rng, lengths, s=24, kh=2, h=8, poison=np.nan):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jkv
-from jkv.prefill import score
+from jkv.scoring import score
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -158,14 +158,12 @@ def test_segment_rebuild_steps_lower_for_cuda(tiny_params, kv_dtype):
 
 def _decode_for_cuda(params, cfg, kv):
     """The decode loop over KV state `kv` (batch 2), lowered for CUDA with the Pallas backend."""
-    import importlib
-
     import jax.numpy as jnp
 
-    from jkv.sampling import Sampling, SamplingArrays
+    from jkv.core.sampling import Sampling, SamplingArrays
+    from jkv.decode import DecodeState, decode
 
-    gen = importlib.import_module("jkv.generate")  # the module (jkv.generate is the function)
-    loop_state = gen.DecodeState(
+    loop_state = DecodeState(
         kv=kv,
         tokens=jnp.zeros((2, 16), jnp.int32),
         count=jnp.ones((2,), jnp.int32),
@@ -175,7 +173,7 @@ def _decode_for_cuda(params, cfg, kv):
         sampling=SamplingArrays.build([Sampling(temperature=0.7, top_p=0.9)] * 2, [0, 1]),
         step=jnp.zeros((), jnp.int32),
     )
-    decode = gen.decode.trace(
+    traced = decode.trace(
         params.weights,
         cfg,
         loop_state,
@@ -183,4 +181,4 @@ def _decode_for_cuda(params, cfg, kv):
         eos_ids=(),
         backend="pallas",
     )
-    return decode.lower(lowering_platforms=("cuda",)).as_text()
+    return traced.lower(lowering_platforms=("cuda",)).as_text()

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jkv
-from jkv_models.haystack import make_example
+from jkv.demo.haystack import make_example
 
 GOLDEN = Path(__file__).parent / "golden" / "demo_greedy.json"
 SETTINGS = {

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tiny_hf import write_tiny_checkpoint
 
 import jkv
 from jkv.limits import available_bytes, request_bytes
@@ -88,8 +89,6 @@ def test_budget_past_int32(params, budget):
 
 
 def test_kv_state_of_another_model(params, tmp_path):
-    from jkv_models.tiny_hf import write_tiny_checkpoint
-
     other = jkv.load(write_tiny_checkpoint(tmp_path / "other", num_kv_heads=1), progress=False)
     state = jkv.prefill(other, words(8))
     got = (len(state.layers), state.layers[0].k.shape[1], state.layers[0].k.shape[3])

@@ -1,4 +1,4 @@
-"""jkv.prefill.stream_score: token-by-token perplexity through the decode path, with a policy."""
+"""jkv.scoring.stream_score: token-by-token perplexity through the decode path, with a policy."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jkv
-from jkv.prefill import score, stream_score
+from jkv.scoring import score, stream_score
 
 
 @pytest.fixture(scope="module")

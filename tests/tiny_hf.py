@@ -1,7 +1,9 @@
 """Tiny randomly initialised Hugging Face checkpoints, written with `transformers` (never downloaded).
 
-Tests use them as the reference models; `make demo` falls back to one when no trained model is
-bundled. Imports torch and transformers lazily: only callers that write checkpoints need them.
+A test fixture module (tests import it as `tiny_hf`; `benchmarks/decode_cpu.py` and
+`benchmarks/kv_memory.py` put `tests/` on `sys.path` for it): tests use the checkpoints as
+reference models. Imports torch and transformers lazily: only callers that write checkpoints
+need them.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ DEMO_DIR = Path(jkv_models.__file__).resolve().parent / "demo"
 
 def load_demo(*, name=None, dtype=None, mesh=None) -> Params:
     """The bundled demo model (models/demo/, a Hugging Face folder trained by
-    models/train_demo.py), offline."""
+    jkv/demo/train.py), offline."""
     if not (DEMO_DIR / "config.json").is_file():
         raise ValueError(
             f"the demo model is not bundled at {DEMO_DIR}; `make train-demo` trains it"

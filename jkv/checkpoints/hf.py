@@ -15,11 +15,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jkv import sharding
 from jkv.checkpoints.finite import check_tensor
 from jkv.checkpoints.names import choose_name
-from jkv.params import Params, combine_digests, tensor_digest
+from jkv.params import Params, combine_digests, path_str, tensor_digest
 from jkv.tokenizer import Tokenizer, read_special_ids
 from jkv_models.config import ModelConfig
+from jkv_models.llama import param_shapes
 
 # (HF name, our path, HF shape(config), transform(array, config)); `{i}` is the layer index.
 _Rule = tuple[
@@ -159,8 +161,6 @@ _BY_PATH = [(_pattern(rule[1]), rule) for rule in TABLE]
 
 def expected_paths(config: ModelConfig) -> set[str]:
     """Every parameter path the model needs (from the model definition, not the table)."""
-    from jkv.params import path_str
-    from jkv_models.llama import param_shapes
 
     leaves = jax.tree_util.tree_flatten_with_path(param_shapes(config))[0]
     return {path_str(p) for p, _ in leaves}
@@ -289,7 +289,7 @@ def load_hf(
         sharded), `tokenizer.json` (optional) and `generation_config.json` (optional).
       dtype: "float32" or "bfloat16"; default: the checkpoint's declared dtype.
       name: the model's name (cache keys); default: made from the folder's name
-        (`jkv.cache.keys.derive_model_name`: "demo copy" -> "demo-copy").
+        (`jkv.response_cache.keys.derive_model_name`: "demo copy" -> "demo-copy").
       mesh: a `jax.sharding.Mesh` to shard the weights over (see `jkv.sharding`).
       progress: show a progress bar.
 
@@ -298,8 +298,6 @@ def load_hf(
         (NaN or Inf values included), or a `name` keys cannot hold.
     """
     from tqdm import tqdm
-
-    from jkv import sharding
 
     folder = Path(folder)
     name = choose_name(name, folder.resolve().name)

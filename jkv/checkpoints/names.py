@@ -3,13 +3,13 @@ keys and `jkv cache invalidate-model`.
 
 A name defaults to the checkpoint folder's (a jkv folder keeps the name it was saved with, so
 `jkv convert` keeps the source folder's), made valid for cache keys by
-`jkv.cache.keys.derive_model_name` ("demo copy" -> "demo-copy"). A name given with `name=` is
+`jkv.response_cache.keys.derive_model_name` ("demo copy" -> "demo-copy"). A name given with `name=` is
 used as is, or refused when keys cannot hold it.
 """
 
 from __future__ import annotations
 
-from jkv.cache.keys import check_model_name, derive_model_name
+from jkv.response_cache.keys import check_model_name, derive_model_name
 
 
 def choose_name(name: object, default_from: str) -> str:

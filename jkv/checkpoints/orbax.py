@@ -17,11 +17,13 @@ from pathlib import Path
 
 import jax
 
+from jkv import sharding
 from jkv.checkpoints.finite import check_tree
 from jkv.checkpoints.names import choose_name
 from jkv.params import Params
 from jkv.tokenizer import Tokenizer
 from jkv_models.config import ModelConfig, RopeScaling
+from jkv_models.llama import param_shapes
 
 FORMAT = 1
 MARKER = "jkv.json"
@@ -86,9 +88,6 @@ def load_saved(
         hold NaN/Inf, or a `name` keys cannot hold.
     """
     import orbax.checkpoint as ocp
-
-    from jkv import sharding
-    from jkv_models.llama import param_shapes
 
     folder = Path(folder).resolve()
     meta = read_meta(folder)

@@ -1,12 +1,10 @@
 """Attention over the KV state: append the new tokens, then attend over every valid slot.
 
-The backend switch lives here:
-  "xla"               plain jnp (the CPU default): scatter appends, masked-softmax attention,
-                      fp8 through the kernels' jnp references;
-  "pallas"            the Pallas Triton kernels (the GPU default): `decode_attention` for
-                      every decode step (fp8 dequantised in registers), `quantize_append` for
-                      fp8 appends; prefill (T > 1 query tokens) stays on the XLA path;
-  "pallas_interpret"  the same kernels in the Pallas interpreter, on any machine (slow: tests).
+Which kernels run is the backend's (`jkv.core.backends`): on "xla" everything is jnp here
+(scatter appends, masked-softmax attention, fp8 through the kernels' jnp references); on the
+Pallas backends every decode step runs the `decode_attention` kernel (fp8 dequantised in
+registers) and fp8 appends run `quantize_append`; prefill (T > 1 query tokens) stays on the jnp
+path.
 
 RoPE is applied here, not in the model (the callable is `rotates_qk`): keys are stored rotated at
 their positions, except for a `raw_keys` policy (StreamingLLM), whose keys are stored as they left
@@ -26,38 +24,15 @@ log-sum-exps. Neither reconstructs a low-rank segment.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
 from jkv import kv as kvlib
-from jkv_kernels import (
-    combine_attention,
-    decode_attention,
-    lowrank_attention,
-    quantize_append,
-    quantize_append_reference,
-)
+from jkv.core.backends import Ops, ops
+from jkv_kernels import combine_attention
 from jkv_models.llama import rope
 
-BACKENDS = ("xla", "pallas", "pallas_interpret")
-_MASKED = -1e30  # finite: a fully masked row stays NaN-free
-
-
-def validate_backend(backend: str | None) -> str:
-    """Resolves None to the platform default and rejects unknown names."""
-    if backend is None:
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not supported; expected one of {BACKENDS}")
-    return backend
-
-
-def _quantize_append_fn(backend: str):
-    if backend == "xla":
-        return quantize_append_reference
-    return functools.partial(quantize_append, interpret=backend == "pallas_interpret")
+MASKED = -1e30  # finite: a fully masked row stays NaN-free
 
 
 def slot_mask(layer: kvlib.LayerKV, q_positions: jax.Array, sliding_window: int | None):
@@ -69,14 +44,6 @@ def slot_mask(layer: kvlib.LayerKV, q_positions: jax.Array, sliding_window: int 
     if sliding_window is not None:
         mask &= delta < sliding_window
     return mask
-
-
-def _dequantised(layer: kvlib.LayerKV, dtype):
-    k, v = layer.k, layer.v
-    if layer.k_scale is not None:  # fp8: dequantise (the Pallas kernel does this on read)
-        k = k.astype(jnp.float32) * layer.k_scale[..., None].astype(jnp.float32)
-        v = v.astype(jnp.float32) * layer.v_scale[..., None].astype(jnp.float32)
-    return k.astype(dtype), v.astype(dtype)
 
 
 def cached_attention_reference(
@@ -102,7 +69,7 @@ def cached_attention_reference(
             f"{return_mass=} key_rotation={key_rotation is not None}: a segment-rebuilt cache "
             "supports neither attention mass nor key re-rotation"
         )
-    k, v = _dequantised(layer, q.dtype)
+    k, v = kvlib.dequantised(layer, q.dtype)
     if key_rotation is not None:
         k = rope(k, *key_rotation)
     # Slots past a row's length may hold anything (NaN included); a zero probability times NaN
@@ -141,28 +108,37 @@ def segment_attention(q, k, v, mask, layer, q_positions, sliding_window=None, q_
     z = jnp.einsum("btkgh,bksh->bkgts", qg, k.astype(f32), precision="highest") * (h**-0.5)
     if layer.bias is not None:
         z = z + layer.bias[:, :, None, None, :]
-    parts = [jnp.where(mask[:, :, None], z, _MASKED)]
+    parts = [jnp.where(mask[:, :, None], z, MASKED)]
     lr = layer.lowrank
     if lr is not None:
         m, seg_len = lr.coef_k.shape[2:4]
         qb = jnp.einsum("btkgh,bkmrh->bkgtmr", qg, lr.basis_k.astype(f32), precision="highest")
         zl = jnp.einsum("bkgtmr,bkmlr->bkgtml", qb, lr.coef_k.astype(f32), precision="highest")
         lmask = lowrank_mask(lr, q_positions, sliding_window, q_valid)  # [B, K, T, M, L]
-        zl = jnp.where(lmask[:, :, None], zl * (h**-0.5), _MASKED)
+        zl = jnp.where(lmask[:, :, None], zl * (h**-0.5), MASKED)
         parts.append(zl.reshape(*zl.shape[:4], m * seg_len))
-    z = jnp.concatenate(parts, axis=-1)
-    top = jnp.max(z, axis=-1, keepdims=True)
-    p = jnp.exp(z - top)  # masked entries: exactly 0
-    denom = jnp.sum(p, axis=-1)  # [B, K, G, T]
+    p, scale = masked_softmax(jnp.concatenate(parts, axis=-1), axis=-1)  # scale [B, K, G, T]
     s = k.shape[2]
     out = jnp.einsum("bkgts,bksh->btkgh", p[..., :s], v.astype(f32), precision="highest")
     if lr is not None:
         pl_ = p[..., s:].reshape(*p.shape[:4], m, seg_len)
         pc = jnp.einsum("bkgtml,bkmlr->bkgtmr", pl_, lr.coef_v.astype(f32), precision="highest")
         out += jnp.einsum("bkgtmr,bkmrh->btkgh", pc, lr.basis_v.astype(f32), precision="highest")
-    scale = jnp.where(top[..., 0] > _MASKED / 2, 1.0 / denom, 0.0)  # [B, K, G, T]
     out = out * jnp.transpose(scale, (0, 3, 1, 2))[..., None]
     return out.reshape(b, t, n, h).astype(q.dtype)
+
+
+def masked_softmax(scores: jax.Array, axis: int):
+    """Unnormalised probabilities of scores already masked to `MASKED`, and the factor that
+    normalises them: (p, scale) with p = exp(scores - max) (exactly 0 where masked) and scale =
+    1 / sum(p), 0 where every score is masked (a query that sees nothing gets zeros, not NaN).
+    `scale` has `axis` reduced away; dividing the small attention output by it, rather than the
+    probabilities, keeps XLA's CPU fusions cheap."""
+    top = jnp.max(scores, axis=axis, keepdims=True)
+    p = jnp.exp(scores - top)
+    denom = jnp.sum(p, axis=axis)
+    seen = jnp.squeeze(top, axis) > MASKED / 2
+    return p, jnp.where(seen, 1.0 / denom, 0.0)
 
 
 def masked_attention(q, k, v, mask, *, return_mass: bool = False):
@@ -177,13 +153,9 @@ def masked_attention(q, k, v, mask, *, return_mass: bool = False):
         return _decode_attention(q, k, v, mask[:, :, 0], return_mass=return_mass)
     qg = q.reshape(b, t, kh, n // kh, h)
     scores = jnp.einsum("btkgh,bksh->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = jnp.where(mask[:, :, None], scores * (h**-0.5), _MASKED)
-    top = jnp.max(scores, axis=-1, keepdims=True)
-    p = jnp.exp(scores - top)  # masked slots: exp(-1e30 - top) == 0 exactly
-    denom = jnp.sum(p, axis=-1)  # [B, K, G, T]
+    scores = jnp.where(mask[:, :, None], scores * (h**-0.5), MASKED)
+    p, scale = masked_softmax(scores, axis=-1)  # scale [B, K, G, T]
     out = jnp.einsum("bkgts,bksh->btkgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    seen = top[..., 0] > _MASKED / 2  # rows with at least one visible slot
-    scale = jnp.where(seen, 1.0 / denom, 0.0)  # [B, K, G, T]
     out = out * jnp.transpose(scale, (0, 3, 1, 2))[..., None]
     out = out.reshape(b, t, n, h).astype(q.dtype)
     if not return_mass:
@@ -201,19 +173,16 @@ def _decode_attention(q, k, v, mask, *, return_mass: bool = False):
     kh = k.shape[1]
     qg = q.reshape(b, kh, n // kh, h)
     scores = jnp.einsum("bksh,bkgh->bksg", k, qg, preferred_element_type=jnp.float32)
-    scores = jnp.where(mask[..., None], scores * (h**-0.5), _MASKED)
-    top = jnp.max(scores, axis=2, keepdims=True)  # [B, K, 1, G]
-    p = jnp.exp(scores - top)
-    denom = jnp.sum(p, axis=2)  # [B, K, G]
+    scores = jnp.where(mask[..., None], scores * (h**-0.5), MASKED)
+    p, scale = masked_softmax(scores, axis=2)  # scale [B, K, G]
     out = jnp.einsum("bksg,bksh->bkgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    scale = jnp.where(top[:, :, 0] > _MASKED / 2, 1.0 / denom, 0.0)
     out = (out * scale[..., None]).reshape(b, 1, n, h).astype(q.dtype)
     if not return_mass:
         return out
     return out, jnp.einsum("bksg,bkg->bks", p, scale)
 
 
-def _kernel_decode(q, layer, q_positions, sliding_window, backend, return_mass, key_rotation):
+def _kernel_decode(q, layer, q_positions, sliding_window, kernels: Ops, return_mass, key_rotation):
     """Decode attention through the Pallas kernel: q `[B, 1, N, H]` -> `[B, 1, N, H]`."""
     windowed = sliding_window is not None
     rot_pos, inv_freq = key_rotation if key_rotation is not None else (None, None)
@@ -222,7 +191,7 @@ def _kernel_decode(q, layer, q_positions, sliding_window, backend, return_mass, 
     lr = layer.lowrank
     if lr is not None and (return_mass or rot_pos is not None):
         raise ValueError("low-rank segments support neither attention mass nor key re-rotation")
-    res = decode_attention(
+    res = kernels.decode_attention(
         q[:, 0],
         layer.k,
         layer.v,
@@ -238,11 +207,10 @@ def _kernel_decode(q, layer, q_positions, sliding_window, backend, return_mass, 
         sliding_window=sliding_window,
         return_mass=return_mass,
         return_lse=lr is not None,
-        interpret=backend == "pallas_interpret",
     )
     if lr is not None:  # join the low-rank segments' softmax to the slots' one
         out, lse = res
-        lr_out, lr_lse = lowrank_attention(
+        lr_out, lr_lse = kernels.lowrank_attention(
             q[:, 0],
             lr.coef_k,
             lr.basis_k,
@@ -254,7 +222,6 @@ def _kernel_decode(q, layer, q_positions, sliding_window, backend, return_mass, 
             positions=lr.positions if windowed else None,
             q_positions=q_positions[:, 0] if windowed else None,
             sliding_window=sliding_window,
-            interpret=backend == "pallas_interpret",
         )
         return combine_attention(out, lse, lr_out, lr_lse).astype(q.dtype)[:, None]
     if return_mass:
@@ -276,13 +243,12 @@ def make_attention(
     Args:
       n_new: `[B]` int32, how many of the T tokens of each row are real (the rest is padding).
       sliding_window: Mistral's window, or None.
-      backend: one of `BACKENDS`.
+      backend: one of `jkv.core.backends.BACKENDS`.
       policy: the KV policy shaping the state (its `jit_key()`), or None for the full cache.
       limit: `[B]` int32 slots each row may hold (`KVState.limit`; evicting policies).
       inv_freq: the model's RoPE inverse frequencies `[H/2]`.
     """
-    backend = validate_backend(backend)
-    qappend = _quantize_append_fn(backend)
+    kernels = ops(backend)
     active = policy is not None
     raw_keys = active and policy.raw_keys
     if raw_keys and sliding_window is not None:
@@ -298,7 +264,9 @@ def make_attention(
         start = policy.write_slots(layer, positions[:, 0], limit) if active and decoding else None
         if not raw_keys:
             k = rope(k, positions[:, :, None], inv_freq)
-        layer = kvlib.append(layer, k, v, positions, n_new, start=start, quantize_append=qappend)
+        layer = kvlib.append(
+            layer, k, v, positions, n_new, start=start, quantize_append=kernels.quantize_append
+        )
         want_mass = active and policy.wants_mass
         key_rotation = None
         if raw_keys:  # attend as if the cache were contiguous text
@@ -307,9 +275,9 @@ def make_attention(
             key_rotation = (slot_pos, inv_freq)
         else:
             q = rope(q, positions[:, :, None], inv_freq)
-        if backend != "xla" and decoding:
+        if kernels.decode_attention is not None and decoding:
             res = _kernel_decode(
-                q, layer, positions, sliding_window, backend, want_mass, key_rotation
+                q, layer, positions, sliding_window, kernels, want_mass, key_rotation
             )
         else:
             q_valid = jnp.arange(t)[None, :] < n_new[:, None]
@@ -324,7 +292,7 @@ def make_attention(
             )
         out, mass = res if want_mass else (res, None)
         if active:
-            layer = policy.observe(layer_index, layer, q, positions, n_new, mass, backend)
+            layer = policy.observe(layer_index, layer, q, positions, n_new, mass, kernels)
         return out, layer
 
     attention.rotates_qk = True

@@ -28,7 +28,7 @@ class Sampling:
     top_k: int | None = None
     top_p: float | None = None
     min_p: float | None = None
-    logit_keep_ratio: float | None = None  # seed 2.4: keep only the top fraction of the vocab
+    logit_keep_ratio: float | None = None  # keep only the top fraction of the vocab
 
     def __post_init__(self):
         t = self.temperature

@@ -1,6 +1,6 @@
 """`make demo`: the main job end to end on this machine, offline.
 
-Loads the bundled demo model (a small Llama trained by jkv's own `models/train_demo.py` to find
+Loads the bundled demo model (a small Llama trained by jkv's own `jkv/demo/train.py` to find
 the 5-digit code of a named fact among several hidden in filler text), builds a multi-fact
 haystack prompt, and answers it with the full cache, StreamingLLM, SnapKV and SnapKV + FP8 KV at
 a budget where SnapKV keeps the answer, and SnapKV at a harsher one, printing for each the
@@ -15,12 +15,12 @@ import argparse
 import numpy as np
 
 import jkv
+from jkv.demo.haystack import make_example, make_filler
 
 # Budgets from the quality harness (benchmarks/results/quality.md: `python benchmarks/quality.py
 # --contexts 512 --facts 4 --docs 24 --policies streaming snapkv h2o --peer kvpress --beyond 4`),
 # query-aware, 24 held-out 4-fact prompts of 512 tokens, exact match of the 5 digits:
 HELD_OUT = {"full cache": 1.00, "StreamingLLM 50%": 0.58, "SnapKV 50%": 0.67, "SnapKV 10%": 0.08}
-RATIO, HARSH = 0.5, 0.1
 RATIO, HARSH = 0.5, 0.1
 
 
@@ -65,22 +65,21 @@ def _rows(params, prompt: str, answer: str, ratio: float, harsh: float, facts: i
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m jkv.demo", description=__doc__)
     parser.add_argument(
-        "--seed", type=int, default=0, help="the haystack (seed 0: SnapKV 50% keeps it)"
+        "--seed", type=int, default=0, help="the haystack (seed 0: SnapKV 50%% keeps it)"
     )
     parser.add_argument("--facts", type=int, default=4, help="facts in the haystack")
     parser.add_argument("--ratio", type=float, default=RATIO, help="kept fraction of the prompt")
     parser.add_argument("--harsh", type=float, default=HARSH, help="a budget that loses answers")
     args = parser.parse_args(argv)
-    from jkv_models.haystack import make_example, make_filler
 
     params = jkv.load("demo")
     cfg = params.config
     print(
         f"[demo] {params.name}: {cfg.num_params():,} parameters, {cfg.num_layers} layers, "
         f"{cfg.num_heads} heads / {cfg.num_kv_heads} kv heads, trained context "
-        f"{cfg.max_position_embeddings} tokens (models/demo, trained by models/train_demo.py)"
+        f"{cfg.max_position_embeddings} tokens (models/demo, trained by jkv/demo/train.py)"
     )
     rng = np.random.default_rng(args.seed)
     # Several facts: the model must pick the asked one by name (models/demo/training.json has

@@ -1,6 +1,6 @@
 """The demo model's tokenizer: a word-level `tokenizers` model over the haystack vocabulary.
 
-Ids are `jkv_models.haystack.VOCAB` indices (`<unk>`=0, `<s>`=1, `</s>`=2), so the training data,
+Ids are `jkv.demo.haystack.VOCAB` indices (`<unk>`=0, `<s>`=1, `</s>`=2), so the training data,
 encoded without the tokenizers library, and `tokenizer.json` agree by construction (a test checks).
 Splitting: on whitespace and punctuation (`Question:` -> `Question`, `:`), and every digit apart
 (`40917` -> `4 0 9 1 7`). Decoding joins tokens with single spaces (the haystack's canonical
@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from jkv_models import haystack
+from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
+from tokenizers.models import WordLevel
+
+from jkv.demo import haystack
 
 
 def build_tokenizer():
@@ -20,9 +23,6 @@ def build_tokenizer():
     Returns:
       a tokenizers.Tokenizer (word-level, vocab `haystack.VOCAB`).
     """
-    from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
-    from tokenizers.models import WordLevel
-
     vocab = {word: i for i, word in enumerate(haystack.VOCAB)}
     tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Sequence(

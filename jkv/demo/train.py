@@ -1,8 +1,8 @@
 """Trains jkv's demo model (a small Llama) on the haystack retrieval task; writes a jkv folder.
 
-  python -m jkv_models.train_demo --out tmp/demo-train              # train from scratch
-  python -m jkv_models.train_demo --out tmp/demo-train --resume     # continue exactly where it stopped
-  python -m jkv_models.train_demo --eval-only --final tmp/demo-final  # held-out accuracies
+  python -m jkv.demo.train --out tmp/demo-train              # train from scratch
+  python -m jkv.demo.train --out tmp/demo-train --resume     # continue exactly where it stopped
+  python -m jkv.demo.train --eval-only --final tmp/demo-final  # held-out accuracies
 
 The final folder (`--final`) is a jkv checkpoint plus `training.json`: the run's hyperparameters,
 curriculum, stage timeline (step, seconds) and, after `--eval-only`, its held-out figures (8
@@ -38,8 +38,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 
-from jkv_models import demo_tokenizer, haystack
+from jkv.demo import haystack
+from jkv.demo.tokenizer import save_tokenizer
 from jkv_models.config import ModelConfig
 from jkv_models.llama import forward, init_params, param_shapes
 
@@ -242,23 +244,17 @@ def eval_set(seed: int, stream: int, index: int, docs: int, seq_len: int, lo: in
 
 # ------------------------------------------------------------------------------ checkpoints
 def _manager(out: Path):
-    import orbax.checkpoint as ocp
-
     options = ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=False)
     return ocp.CheckpointManager((out / "ckpt").resolve(), options=options)
 
 
 def _save(mngr, step: int, state, meta: dict) -> None:
-    import orbax.checkpoint as ocp
-
     args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
     mngr.save(step, args=args, force=True)
     mngr.wait_until_finished()
 
 
 def _restore(mngr, abstract_for):
-    import orbax.checkpoint as ocp
-
     step = mngr.latest_step()
     if step is None:
         raise ValueError(f"{mngr.directory}: no checkpoint to resume from")
@@ -309,8 +305,6 @@ def export(params, config: ModelConfig, folder: str | Path, record: dict | None 
     Raises:
       ValueError: `folder` exists, is not empty and is not a jkv folder (never deleted).
     """
-    import orbax.checkpoint as ocp
-
     folder = Path(folder).resolve()
     if folder.exists() and any(folder.iterdir()) and not (folder / "jkv.json").is_file():
         raise ValueError(f"{folder}: exists and is not a jkv folder; refusing to replace it")
@@ -321,7 +315,7 @@ def export(params, config: ModelConfig, folder: str | Path, record: dict | None 
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(tmp / "weights", params)
         ckptr.wait_until_finished()
-    demo_tokenizer.save_tokenizer(tmp / "tokenizer.json")
+    save_tokenizer(tmp / "tokenizer.json")
     cfg = dataclasses.asdict(config)
     cfg["eos_token_ids"] = list(config.eos_token_ids)
     meta = {"format": 1, "name": NAME, "version": fingerprint(params), "config": cfg}
@@ -337,8 +331,6 @@ def export(params, config: ModelConfig, folder: str | Path, record: dict | None 
 
 def load_exported(folder: str | Path):
     """(params, config) from a folder written by `export`."""
-    import orbax.checkpoint as ocp
-
     folder = Path(folder).resolve()
     meta = json.loads((folder / "jkv.json").read_text())
     cfg = dict(meta["config"], eos_token_ids=tuple(meta["config"]["eos_token_ids"]))
@@ -483,7 +475,11 @@ def train(args) -> dict:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m jkv.demo.train",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     p.add_argument("--out", default="tmp/demo-train", help="checkpoints (and logs) folder")
     p.add_argument("--final", default="tmp/demo-final", help="jkv folder written at the end")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
@@ -521,7 +517,7 @@ def main(argv=None) -> int:
         if record_path.is_file():  # written by the training run that made the folder
             record = json.loads(record_path.read_text())
             record["final_eval"] = {
-                "command": f"python -m jkv_models.train_demo --final {args.final} --eval-only",
+                "command": f"python -m jkv.demo.train --final {args.final} --eval-only",
                 **{label: round(acc, 4) for label, acc in results.items()},
                 "prompts_per_case": args.final_docs,
                 "seed": seed,

@@ -2,7 +2,7 @@
 
 A policy acts at two moments:
   after prefill   `keep` selects, per layer, the slots of the prompt's cache to keep; the
-                  compaction (`jkv.kv.compact`, seed 2.5's bit-packed mask) then copies them
+                  compaction (`jkv.kv.compact`, a bit-packed keep mask) then copies them
                   into a smaller cache: what is dropped is gone from device memory;
   during decode   `write_slots` says where each new token goes (an evicting policy frees a
                   slot once the cache is full), `cache_positions` may re-rotate keys, and
@@ -130,14 +130,26 @@ class KVPolicy:
     def describe(self) -> dict:
         return {"name": self.name, **dataclasses.asdict(self)}
 
+    def extra_bytes(self, capacity, *, batch, num_kv_heads, head_dim, kv_dtype) -> tuple[int, int]:
+        """(bytes attention reads beside K, V and scales, bookkeeping bytes) one layer of
+        `capacity` allocates for this policy: (0, 0) unless the policy stores more (the segment
+        rebuild's slot biases and low-rank factors). `jkv.memory` adds them."""
+        return 0, 0
+
+    def report(self, state: kvlib.KVState, appended) -> dict:
+        """Statistics of the compression achieved in `state` for a result's `stats` (`appended`
+        `[B]`: tokens written after compression); {} unless the policy has some to tell."""
+        return {}
+
     # ---------------------------------------------------------------- inside jit
     def keep(self, layer_index: int, layer: kvlib.LayerKV, ctx: Context) -> jax.Array:
         """`[B, K, S]` bool: the slots to keep after prefill."""
         return valid_slots(layer)
 
-    def rebuild(self, layer_index, layer, ctx, capacity, backend) -> kvlib.LayerKV | None:
+    def rebuild(self, layer_index, layer, ctx, capacity, kernels) -> kvlib.LayerKV | None:
         """A policy that restructures the cache instead of selecting slots (the SnapKV segment
-        rebuild) returns the new layer of `capacity` slots; None: `keep`, then compact."""
+        rebuild) returns the new layer of `capacity` slots; None: `keep`, then compact. `kernels`
+        is the backend's `jkv.core.backends.Ops`."""
         return None
 
     def write_slots(self, layer: kvlib.LayerKV, q_pos: jax.Array, limit: jax.Array):
@@ -152,8 +164,9 @@ class KVPolicy:
         positions `q_pos` `[B, T]`) were written."""
         raise NotImplementedError(f"{type(self).__name__} stores rotated keys")
 
-    def observe(self, layer_index, layer, q, positions, n_new, mass, backend="xla"):
-        """Records what the policy scores by, after a layer's attention; returns the layer."""
+    def observe(self, layer_index, layer, q, positions, n_new, mass, kernels):
+        """Records what the policy scores by, after a layer's attention (`kernels`: the
+        backend's `jkv.core.backends.Ops`); returns the layer."""
         if self.wants_mass and mass is not None and layer.scores is not None:
             return layer.replace(scores=layer.scores + mass)
         return layer

@@ -5,18 +5,11 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 
 from jkv import kv as kvlib
+from jkv.core.backends import ops
 from jkv.policies.base import Context
 from jkv.policies.efficache import head_sensitivity
-from jkv_kernels import kv_compact, kv_compact_reference
-
-
-def compact_fn(backend: str):
-    if backend == "xla":
-        return kv_compact_reference
-    return functools.partial(kv_compact, interpret=backend == "pallas_interpret")
 
 
 # Not donated: the compacted arrays are smaller, so XLA could not reuse the prompt's buffers;
@@ -59,25 +52,17 @@ def compress(
         num_layers=len(state.layers),
         sensitivity=sensitivity,
     )
-    fn = compact_fn(backend)
+    kernels = ops(backend)
     layers = []
     previous = None
     for i, layer in enumerate(state.layers):
         if previous is not None:  # one rebuild at a time (see segments.lowrank_store)
             layer, _ = jax.lax.optimization_barrier((layer, previous))
-        new = policy.rebuild(i, layer, ctx, capacities[i], backend)
+        new = policy.rebuild(i, layer, ctx, capacities[i], kernels)
         previous = None if new is None or new.lowrank is None else new.lowrank.coef_k
         if new is None:
-            new = kvlib.compact(layer, policy.keep(i, layer, ctx), capacities[i], compact_fn=fn)
+            new = kvlib.compact(
+                layer, policy.keep(i, layer, ctx), capacities[i], compact_fn=kernels.kv_compact
+            )
         layers.append(new if policy.wants_mass else new.replace(scores=None))
     return state.replace(layers=tuple(layers), policy=policy)
-
-
-def grow(state: kvlib.KVState, extra: int) -> kvlib.KVState:
-    """The state with `extra` empty slots added to every layer (fresh arrays: the caller's state
-    is left intact, so one compressed context can serve many questions)."""
-    return state.replace(
-        layers=tuple(kvlib.grow(x, extra) for x in state.layers),
-        next_position=jnp.array(state.next_position, copy=True),
-        limit=jnp.array(state.limit, copy=True),
-    )

@@ -1,4 +1,4 @@
-"""EffiCache-style head pruning (seed 3.3): heads that matter little and attend diffusely keep
+"""EffiCache-style head pruning: heads that matter little and attend diffusely keep
 only attention sinks and a short window; the others keep a SnapKV budget.
 
 Two criteria per (layer, kv head), per row:
@@ -9,7 +9,7 @@ Two criteria per (layer, kv head), per row:
                normalised to a distribution): diffuse heads spread their mass thin.
 Heads are ranked by low sensitivity and by high entropy; the `prune_ratio` of each layer's kv
 heads with the best combined rank are pruned. With `grad_threshold` and `entropy_threshold` set,
-the seed's rule applies instead: prune where sensitivity < grad_threshold AND entropy >
+the absolute rule applies instead: prune where sensitivity < grad_threshold AND entropy >
 entropy_threshold (absolute thresholds depend on the model and prompt; ranks do not). With the dense `[B, K, S, H]` layout a layer
 allocates the unpruned heads' budget for all of its heads; the pruned heads' savings show in
 `kv_bytes_used` (real per-head savings need the paged pool).
@@ -25,12 +25,11 @@ import jax.numpy as jnp
 
 from jkv.policies.base import check_int, keep_recent_and_top, valid_slots
 from jkv.policies.snapkv import SnapKV
+from jkv_models.llama import causal_attention, forward
 
 
 def head_sensitivity(weights, config, tokens, n_prompt):
     """`[B, L, K]` float32: |d loss / d head gate| per kv head (summed over its query heads)."""
-    from jkv_models.llama import causal_attention, forward
-
     b, t = tokens.shape
     nl, n, kh = config.num_layers, config.num_heads, config.num_kv_heads
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -90,7 +89,7 @@ class EffiCache(SnapKV):
         if (self.grad_threshold is None) != (self.entropy_threshold is None):
             raise ValueError(
                 f"grad_threshold={self.grad_threshold} and entropy_threshold="
-                f"{self.entropy_threshold}: give both (the seed's rule) or neither"
+                f"{self.entropy_threshold}: give both (the absolute rule) or neither"
             )
 
     def keep(self, layer_index, layer, ctx):

@@ -4,7 +4,7 @@ attention, plus the most recent ones; evict the lowest every decode step at a fi
 Attention mass is accumulated per slot from the prompt's queries and then from every decode
 step (the `return_mass` output of `jkv_kernels.decode_attention`, read in the same pass as
 the attention itself). With `scorer="importance"` the mass is normalised by how many queries
-could see each token and the first `protect` tokens are kept (seed 2.2).
+could see each token and the first `protect` tokens are kept.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class H2O(KVPolicy):
 
     budget: int | float = 256
     recent: int = 32
-    scorer: str = "mass"  # or "importance" (seed 2.2)
+    scorer: str = "mass"  # or "importance" (jkv.policies.importance)
     protect: int = 4  # first tokens always kept under scorer="importance"
 
     def __post_init__(self):

@@ -1,4 +1,4 @@
-"""Token importance (seed 2.2): how much attention a token receives, fairly counted.
+"""Token importance: how much attention a token receives, fairly counted.
 
 Under causal attention token i can only be attended by the queries at or after it, so raw
 accumulated mass favours early tokens; dividing by the number of queries that could see it

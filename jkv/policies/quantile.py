@@ -1,9 +1,9 @@
-"""Intra-head quantile pruning (seed 2.3): each head keeps the slots above its own
+"""Intra-head quantile pruning: each head keeps the slots above its own
 q-quantile of key L1 norm, never one threshold shared by all heads.
 
 Key norms differ by an order of magnitude between heads; a global threshold would empty some
 heads and leave others whole. Per head, the top `1 - q` fraction by norm stays (`keep="high"`,
-the seed's rule). `keep="low"` keeps the smallest norms instead, the rule of kvpress's Knorm
+the default). `keep="low"` keeps the smallest norms instead, the rule of kvpress's Knorm
 (low-norm keys tend to draw more attention, Devoto et al., 2024). Optional sinks and a recent
 window are protected.
 """
@@ -15,14 +15,13 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
+from jkv import kv as kvlib
 from jkv.policies.base import KVPolicy, check_int, keep_recent_and_top
 
 
 def key_l1_norms(layer):
     """`[B, K, S]` float32 L1 norm of each stored key (fp8 dequantised)."""
-    k = layer.k.astype(jnp.float32)
-    if layer.k_scale is not None:
-        k = k * layer.k_scale[..., None].astype(jnp.float32)
+    k, _ = kvlib.dequantised(layer, jnp.float32)
     return jnp.sum(jnp.abs(k), axis=-1)
 
 

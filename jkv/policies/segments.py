@@ -1,4 +1,4 @@
-"""SnapKV segment rebuild (seed 3.2): anchors kept whole, transitions merged, the middle low-rank.
+"""SnapKV segment rebuild: anchors kept whole, transitions merged, the middle low-rank.
 
 After prefill, the prompt cache of each (row, kv head), tokens s = 0..n-1 (a fresh prefill: slot
 s holds token s), is rebuilt:
@@ -14,7 +14,7 @@ s holds token s), is rebuilt:
 3. Segments, by a token's distance d to the nearest anchor: anchor segment (d <= anchor_radius)
    kept whole, one slot per token; transition (d <= anchor_radius + transition_len): each
    maximal run of transition tokens is cut into groups, token j (from 0) joining group
-   floor(j / merge) (merge 2.5: groups of 3 and 2, the seed's 2.5x), each group one slot with
+   floor(j / merge) (merge 2.5: groups of 3 and 2, a 2.5x merge), each group one slot with
    the mean key and value and a log(count) logit bias (`jkv_kernels.segment_merge`);
    middle (farther): low-rank.
 4. Middle tokens, in position order, are packed into groups of `segment_len`; per group a
@@ -49,7 +49,6 @@ import numpy as np
 from jkv import kv as kvlib
 from jkv.policies.base import check_int
 from jkv.policies.snapkv import SnapKV
-from jkv_kernels import segment_merge, segment_merge_reference
 
 WHOLE, TRANSITION, MIDDLE, EMPTY = 0, 1, 2, 3
 _BIG = 1 << 30
@@ -188,10 +187,7 @@ def lowrank_store(layer, cls, shape, variance: float) -> kvlib.LowRank:
     middle = cls == MIDDLE
     order = jnp.cumsum(middle, axis=-1) - 1
     grp, j = jnp.where(middle, order // seg_len, m), order % seg_len
-    k, v = layer.k.astype(jnp.float32), layer.v.astype(jnp.float32)
-    if layer.k_scale is not None:
-        k = k * layer.k_scale[..., None].astype(jnp.float32)
-        v = v * layer.v_scale[..., None].astype(jnp.float32)
+    k, v = kvlib.dequantised(layer, jnp.float32)
     zeros = jnp.zeros((2, b, kh, m, seg_len, h), jnp.float32)
     groups = zeros.at[:, bi, ki, grp, j].set(jnp.stack([k, v]), mode="drop")
     # One SVD call for K and V: jaxlib's CPU SVD blocks a pool thread while its batch runs on
@@ -307,16 +303,20 @@ class SnapKVSegments(SnapKV):
         cls = cut(lo)
         return cls, lo, slot_starts(cls, self.merge_ratio)
 
-    def rebuild(self, layer_index, layer, ctx, capacity, backend):
+    def extra_bytes(self, capacity, *, batch, num_kv_heads, head_dim, kv_dtype):
+        return store_bytes(
+            capacity, batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim, kv_dtype=kv_dtype
+        )
+
+    def report(self, state, appended):
+        return {"kv_segments": segment_report(state, appended)}
+
+    def rebuild(self, layer_index, layer, ctx, capacity, kernels):
         if not isinstance(capacity, SegmentCapacity):
             raise ValueError(f"{capacity=}: expected the SegmentCapacity of policy.capacities")
         cls, _, flags = self.plan(layer, self.layer_budgets(layer_index, ctx))
         starts, counts = _runs(cls, flags, int(capacity))
-        if backend == "xla":
-            merge = segment_merge_reference
-        else:
-            merge = functools.partial(segment_merge, interpret=backend == "pallas_interpret")
-        out = merge(
+        out = kernels.segment_merge(
             layer.k,
             layer.v,
             starts,

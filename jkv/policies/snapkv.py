@@ -9,13 +9,12 @@ itself is always kept.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import ClassVar
 
 import jax.numpy as jnp
 
+from jkv import kv as kvlib
 from jkv.policies.base import KVPolicy, check_int, keep_recent_and_top
-from jkv_kernels import window_scores, window_scores_reference
 
 
 def window_queries(q, n_new, window: int):
@@ -28,18 +27,12 @@ def window_queries(q, n_new, window: int):
     return jnp.swapaxes(qw, 1, 2)
 
 
-def window_vote(layer, q, n_new, *, window, kernel, pool, backend):
-    """Pooled window scores `[B, K, S]` float32 of a freshly prefilled layer."""
-    k = layer.k
-    if layer.k_scale is not None:  # the scorer reads float keys
-        k = k.astype(jnp.float32) * layer.k_scale[..., None].astype(jnp.float32)
-    k = k.astype(q.dtype)
+def window_vote(layer, q, n_new, *, window, kernel, pool, score_fn):
+    """Pooled window scores `[B, K, S]` float32 of a freshly prefilled layer, by `score_fn`
+    (`jkv_kernels.window_scores` or its reference)."""
+    k, _ = kvlib.dequantised(layer, q.dtype)  # the scorer reads float keys
     qw = window_queries(q, n_new, window)
-    if backend == "xla":
-        fn = window_scores_reference
-    else:
-        fn = functools.partial(window_scores, interpret=backend == "pallas_interpret")
-    return fn(qw, k, layer.lengths, pool=pool, kernel_size=kernel)
+    return score_fn(qw, k, layer.lengths, pool=pool, kernel_size=kernel)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -63,11 +56,17 @@ class SnapKV(KVPolicy):
         if self.pool not in ("avg", "max"):
             raise ValueError(f"pool={self.pool!r} must be 'avg' or 'max'")
 
-    def observe(self, layer_index, layer, q, positions, n_new, mass, backend="xla"):
+    def observe(self, layer_index, layer, q, positions, n_new, mass, kernels):
         if q.shape[1] == 1 or layer.scores is None:  # votes come from the prompt only
             return layer
         votes = window_vote(
-            layer, q, n_new, window=self.window, kernel=self.kernel, pool=self.pool, backend=backend
+            layer,
+            q,
+            n_new,
+            window=self.window,
+            kernel=self.kernel,
+            pool=self.pool,
+            score_fn=kernels.window_scores,
         )
         return layer.replace(scores=votes)
 

@@ -5,19 +5,19 @@ cache is given a Redis URL. See `response_cache.ResponseCache` for the entry poi
 `keys.py` for what makes two requests the same.
 """
 
-from jkv.cache.codec import CodecError, Record
-from jkv.cache.config import CacheConfig
-from jkv.cache.embed import ClusterIdFn, KMeansClusterer
-from jkv.cache.invalidation import CleanupJob
-from jkv.cache.keys import (
+from jkv.response_cache.clusters import ClusterIdFn, KMeansClusterer
+from jkv.response_cache.codec import CodecError, Record
+from jkv.response_cache.config import CacheConfig
+from jkv.response_cache.invalidation import CleanupJob
+from jkv.response_cache.keys import (
     Settings,
     derive_model_name,
     is_cacheable,
     normalize_prompt,
     request_hash,
 )
-from jkv.cache.l2 import CacheUnavailableError
-from jkv.cache.response_cache import Lookup, ResponseCache
+from jkv.response_cache.l2 import CacheUnavailableError
+from jkv.response_cache.response_cache import Lookup, ResponseCache
 
 __all__ = [
     "CacheConfig",

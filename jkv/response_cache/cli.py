@@ -17,10 +17,11 @@ import logging
 import sys
 from typing import Any
 
-from jkv.cache import keys as K
-from jkv.cache.config import CacheConfig, check_redis_url
-from jkv.cache.invalidation import check_cluster_id
-from jkv.cache.l2 import CacheUnavailableError
+from jkv.response_cache import keys as K
+from jkv.response_cache.config import CacheConfig, check_redis_url
+from jkv.response_cache.invalidation import check_cluster_id
+from jkv.response_cache.l2 import CacheUnavailableError
+from jkv.response_cache.response_cache import ResponseCache
 
 _SCAN_COUNT = 1000
 
@@ -55,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     Returns:
         0 on success, 2 on bad input, 1 when Redis is unreachable.
     """
-    quiet = logging.getLogger("jkv.cache")
+    quiet = logging.getLogger("jkv.response_cache")
     level, quiet.level = quiet.level, logging.ERROR  # failures are reported below, once
     try:
         if args.cache_command == "stats":
@@ -81,8 +82,6 @@ def _one_line(e: BaseException) -> str:
 
 
 def _invalidate_model(model: str, url: str) -> dict:
-    from jkv.cache.response_cache import ResponseCache
-
     K.check_model_name(model)
     check_redis_url(url)
     with ResponseCache(url, node_id="jkv-cli") as cache:
@@ -92,8 +91,6 @@ def _invalidate_model(model: str, url: str) -> dict:
 
 
 def _invalidate_group(model: str, cluster_id: str, url: str) -> dict:
-    from jkv.cache.response_cache import ResponseCache
-
     K.check_model_name(model)
     if not cluster_id.isdigit():
         raise ValueError(f"cluster_id={cluster_id!r} must be an integer >= 0")

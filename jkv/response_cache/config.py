@@ -9,7 +9,7 @@ import socket
 import uuid
 from urllib.parse import urlsplit
 
-from jkv.cache.keys import check_namespace
+from jkv.response_cache.keys import check_namespace
 
 MiB = 1 << 20
 REDIS_SCHEMES = ("redis", "rediss", "unix")
@@ -54,7 +54,7 @@ class CacheConfig:
     Attributes:
         redis_url: L2 location; None means L1 only (embedded mode).
         namespace: the tenant; part of every key's hash.
-        l1_max_entries: L1 capacity in entries (the seed's 1000).
+        l1_max_entries: L1 capacity in entries (default 1000).
         l1_max_bytes: L1 capacity in encoded-value bytes.
         ttl: L2 time to live, whole seconds (`SET ... EX ttl`), also for group sets.
         l1_ttl: L1 time to live; caps staleness if an invalidation message is missed.

@@ -18,49 +18,18 @@ result says where it came from in `result.cache` and `result.stats["cache"]`: "l
 from __future__ import annotations
 
 import dataclasses
-import functools
 import threading
 
 import msgpack
-import numpy as np
 
-from jkv.cache.keys import Settings, check_model_name, derive_model_name, normalize_prompt
-from jkv.prefill import encode_prompts
+from jkv.output import GenerationResult
+from jkv.prompt import encode_prompts, is_batch
+from jkv.response_cache.keys import Settings, check_model_name, derive_model_name, normalize_prompt
 
 _VALID_NAMES: set[str] = set()  # names already checked (a set lookup per call, not a regex)
-SETTING_NAMES = (
-    "max_new_tokens",
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "logit_keep_ratio",
-    "seed",
-    "stop",
-    "kv_policy",
-    "kv_dtype",
-    "backend",
-)
 _SETTINGS: dict[bytes, Settings] = {}  # msgpack of the values -> their Settings
 _SETTINGS_MAX = 4096
 _local = threading.local()
-
-
-def _setting_values(req, params) -> tuple:
-    s = req.sampling
-    return (
-        req.max_new_tokens,
-        s.temperature,
-        s.top_k,
-        s.top_p,
-        s.min_p,
-        s.logit_keep_ratio,
-        req.seed,
-        req.stop,
-        None if req.policy is None else req.policy.describe(),
-        req.kv_dtype or params.kv_dtype,  # the weights' dtype: a cast changes the default
-        req.backend,
-    )
 
 
 def _scalar(value):
@@ -72,20 +41,20 @@ def _scalar(value):
 
 def request_settings(req, params) -> dict:
     """Every setting of a request that changes its output, resolved (cache-key input)."""
-    return dict(zip(SETTING_NAMES, _setting_values(req, params), strict=True))
+    return dict(zip(req.key_names, req.key_values(params), strict=True))
 
 
 def _settings(req, params) -> Settings:
     """`Settings(request_settings(req, params))`, memoised on the values' msgpack bytes (which
     keep int, float, bool and str apart, so equal bytes are equal settings)."""
-    values = _setting_values(req, params)
+    values = req.key_values(params)
     packer = getattr(_local, "packer", None)
     if packer is None:  # a Packer per thread: reusing one is a third cheaper than packb
         packer = _local.packer = msgpack.Packer(use_bin_type=True, default=_scalar)
     packed = packer.pack(values)
     found = _SETTINGS.get(packed)
     if found is None:
-        found = Settings(dict(zip(SETTING_NAMES, values, strict=True)))
+        found = Settings(dict(zip(req.key_names, values, strict=True)))
         if len(_SETTINGS) >= _SETTINGS_MAX:
             _SETTINGS.clear()
         _SETTINGS[packed] = found
@@ -98,7 +67,7 @@ def generate_cached(params, prompt, req, cache, run):
     Args:
         params: the model.
         prompt: a str, token ids, or a batch of either.
-        req: the validated request (`jkv.generate.Request`).
+        req: the validated request (`jkv.request.Request`).
         cache: a `jkv.ResponseCache`.
         run: `run(params, token_rows, req)` -> one `GenerationResult` per row.
 
@@ -110,7 +79,7 @@ def generate_cached(params, prompt, req, cache, run):
     """
     name, identity = _model(params)
     settings = _settings(req, params)
-    if not _is_batch(prompt):
+    if not is_batch(prompt):
         return _single(params, prompt, req, cache, run, (name, identity, settings))
     return _batch(params, list(prompt), req, cache, run, (name, identity, settings))
 
@@ -134,7 +103,7 @@ def stream_cached(params, prompt, req, cache, stream_fn):
     Raises:
         ValueError: a batch, a bad prompt, or a model name cache keys cannot hold.
     """
-    if _is_batch(prompt):
+    if is_batch(prompt):
         raise ValueError(f"stream takes one prompt; got a batch of {len(prompt)}")
     name, identity = _model(params)
     settings = _settings(req, params)
@@ -207,15 +176,6 @@ def _model(params) -> tuple[str, str]:
     return name, params.identity
 
 
-def _is_batch(prompt) -> bool:
-    """`encode_prompts`' rule: a list or tuple of prompts (str, id lists or arrays)."""
-    return (
-        isinstance(prompt, list | tuple)
-        and bool(prompt)
-        and all(isinstance(p, str | list | tuple | np.ndarray) for p in prompt)
-    )
-
-
 def _refuse_empty(params, prompt, batch: bool = False) -> None:
     """An empty text never reaches a lookup: it would share the key of a blank one, which may
     have been answered. `encode_prompts` raises its usual error (naming the row of a batch)."""
@@ -234,16 +194,9 @@ def _row_key(prompt):
     return "t", tuple(int(t) for t in prompt)
 
 
-@functools.cache
-def _result_type():
-    from jkv.generate import GenerationResult  # late: jkv.generate calls into this module
-
-    return GenerationResult
-
-
 def _from_record(record, level):
     stats = {**record.stats, "cache": level, "cache_group": record.group_id}
-    return _result_type()(
+    return GenerationResult(
         record.text, list(record.tokens), record.finish_reason, record.kv_bytes, stats, level
     )
 

@@ -38,11 +38,11 @@ import threading
 import time
 from collections.abc import Callable
 
-from jkv.cache import keys as K
-from jkv.cache.config import CacheConfig
-from jkv.cache.l1 import L1Cache
-from jkv.cache.l2 import CacheUnavailableError, RedisTier
-from jkv.cache.metrics import Metrics, RateLimitedLog, log
+from jkv.response_cache import keys as K
+from jkv.response_cache.config import CacheConfig
+from jkv.response_cache.l1 import L1Cache
+from jkv.response_cache.l2 import CacheUnavailableError, RedisTier
+from jkv.response_cache.metrics import Metrics, RateLimitedLog, log
 
 EVENT_VERSION = 1
 _UNSEEN = object()
@@ -151,7 +151,7 @@ class CleanupJob:
             self.removed = work()
         except BaseException as e:  # reported through wait(); the thread must not die loudly
             self._error = e
-            log.warning("jkv.cache cleanup of %s failed: %s", self.model, e)
+            log.warning("jkv.response_cache cleanup of %s failed: %s", self.model, e)
         finally:
             self._done.set()
 
@@ -212,7 +212,9 @@ class Invalidator:
         gen, repaired = l2.incr_generation(K.generation_key(model), time.time_ns() // 10**6)
         if repaired:
             self._metrics.inc("generation_repairs")
-            log.warning("jkv.cache repaired the generation counter of %s (now %d)", model, gen)
+            log.warning(
+                "jkv.response_cache repaired the generation counter of %s (now %d)", model, gen
+            )
         self._gens.adopt(model, gen)
         self._l1.drop_model(model)  # again: a lookup may have refilled it before adopt
         l2.publish(self._config.channel, self._event("model", model, gen))
@@ -286,7 +288,7 @@ class Invalidator:
             group = check_cluster_id(event["group"]) if op == "group" else None
         except Exception as e:
             self._metrics.inc("events_ignored")
-            log.warning("jkv.cache ignored invalidation event %r: %s", data[:200], e)
+            log.warning("jkv.response_cache ignored invalidation event %r: %s", data[:200], e)
             return
         self._metrics.inc("events_received")
         if op == "model":

@@ -15,7 +15,7 @@ The SHA-256 covers, in a versioned framing (`KEY_SCHEMA`):
 
 1. a header, canonical JSON (sorted keys, no spaces, UTF-8) of
    `["jkv-key", KEY_SCHEMA, namespace, model_version, settings]`;
-2. the prompt: a str is whitespace-normalised (the seed's rule: trim, newlines to spaces,
+2. the prompt: a str is whitespace-normalised (trim, newlines to spaces,
    every run of whitespace to one space; Python's `str.split` defines whitespace, so Unicode
    spaces count too) and UTF-8 encoded; a token-id sequence is hashed as little-endian int64
    and is never equal to a str prompt.
@@ -71,7 +71,7 @@ Prompt = str | Sequence[int]
 
 
 def normalize_prompt(prompt: str) -> str:
-    """The seed's whitespace normalisation: trim, newlines to spaces, runs to one space.
+    """Whitespace normalisation for keys: trim, newlines to spaces, runs to one space.
 
     Args:
         prompt: the raw prompt text.

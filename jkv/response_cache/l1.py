@@ -16,7 +16,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from jkv.cache.codec import Record
+from jkv.response_cache.codec import Record
 
 
 class _Entry:

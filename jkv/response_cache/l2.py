@@ -14,7 +14,7 @@ Values read from Redis are never trusted: a generation counter that is not a dec
 (anyone can `SET llm:gen:{model} oops`) reads as unknown (None), is counted and logged, and
 `incr_generation` overwrites it.
 
-`redis` is imported here, lazily, so `import jkv.cache` stays light.
+`redis` is imported here, lazily, so `import jkv.response_cache` stays light.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from jkv.cache.config import CacheConfig
-from jkv.cache.keys import parse_generation
-from jkv.cache.metrics import Metrics, RateLimitedLog
+from jkv.response_cache.config import CacheConfig
+from jkv.response_cache.keys import parse_generation
+from jkv.response_cache.metrics import Metrics, RateLimitedLog
 
 _BREAKER_MAX_S = 2.0
 _FAILED = object()

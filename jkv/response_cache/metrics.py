@@ -37,7 +37,7 @@ LATENCY_BUCKETS_S = (
     60.0,
 )
 
-log = logging.getLogger("jkv.cache")
+log = logging.getLogger("jkv.response_cache")
 _PENDING_MAX = 4096  # events a Metrics holds before folding them in
 
 
@@ -195,5 +195,5 @@ class RateLimitedLog:
             self._last[kind] = now
             held, self._held[kind] = self._held[kind], 0
         suffix = f" ({held} similar messages suppressed)" if held else ""
-        self._logger.warning("jkv.cache %s: %s%s", kind, message, suffix)
+        self._logger.warning("jkv.response_cache %s: %s%s", kind, message, suffix)
         return True

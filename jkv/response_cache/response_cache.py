@@ -18,21 +18,21 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-from jkv.cache import keys as K
-from jkv.cache.codec import Record, decode, encode, fields_of
-from jkv.cache.config import CacheConfig, MiB
-from jkv.cache.embed import ClusterIdFn
-from jkv.cache.invalidation import (
+from jkv.response_cache import keys as K
+from jkv.response_cache.clusters import ClusterIdFn
+from jkv.response_cache.codec import Record, decode, encode, fields_of
+from jkv.response_cache.config import CacheConfig, MiB
+from jkv.response_cache.invalidation import (
     CleanupJob,
     Generations,
     Invalidator,
     Listener,
     check_cluster_id,
 )
-from jkv.cache.l1 import L1Cache
-from jkv.cache.l2 import RedisTier
-from jkv.cache.metrics import Metrics, RateLimitedLog
-from jkv.cache.singleflight import SingleFlight, wait_for_peer
+from jkv.response_cache.l1 import L1Cache
+from jkv.response_cache.l2 import RedisTier
+from jkv.response_cache.metrics import Metrics, RateLimitedLog
+from jkv.response_cache.singleflight import SingleFlight, wait_for_peer
 
 _NAMES_MEMO_MAX = 1024
 _WATCH_NS = 1_000_000_000  # how often requests check that the listener thread lives

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from tiny_hf import KINDS
 
 import jkv
 from jkv.cli import main
-from jkv_models.tiny_hf import KINDS
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))

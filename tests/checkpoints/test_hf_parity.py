@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from tiny_hf import KINDS, write_tiny_checkpoint
 
 import jkv
-from jkv_models.tiny_hf import KINDS
 
 NEW_TOKENS = 32
 # Fixed per kind (a hash() seed differs every run): a failure reproduces.
@@ -54,8 +54,6 @@ def test_convert_then_load_matches_transformers(kind, hf_checkpoint, tmp_path):
 
 
 def test_sharded_safetensors_with_index(tmp_path):
-    from jkv_models.tiny_hf import write_tiny_checkpoint
-
     folder = write_tiny_checkpoint(tmp_path / "sharded", "llama")
     hf = _hf_model(folder)
     hf.save_pretrained(tmp_path / "resharded", max_shard_size="40KB")

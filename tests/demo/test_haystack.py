@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jkv_models import demo_tokenizer, haystack
+from jkv.demo import haystack
+from jkv.demo import tokenizer as demo_tokenizer
 
 CASES = [(64, 1), (64, 2), (128, 4), (128, 8), (256, 8), (512, 3), (1024, 8)]
 

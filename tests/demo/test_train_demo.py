@@ -10,7 +10,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from jkv_models import haystack, train_demo
+from jkv.demo import haystack
+from jkv.demo import train as train_demo
 from jkv_models.llama import forward, init_params
 
 TINY = [

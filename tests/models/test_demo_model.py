@@ -1,5 +1,5 @@
 """The bundled demo model: loads offline, answers fixed haystack prompts, exports to HF with the
-same logits, and `make demo` (jkv.demo) runs end to end."""
+same logits, and `make demo` (`python -m jkv.demo`) runs end to end."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import pytest
 
 import jkv
 from jkv.checkpoints import DEMO_DIR
-from jkv_models.haystack import make_example
+from jkv.demo.__main__ import main as demo_main
+from jkv.demo.haystack import make_example
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +57,7 @@ def test_export_round_trip(demo, tmp_path):
 
 
 def test_make_demo_runs(capsys):
-    from jkv import demo as demo_main
-
-    assert demo_main.main([]) == 0
+    assert demo_main([]) == 0
     out = capsys.readouterr().out
     assert "full cache" in out and "SnapKV" in out and "response cache" in out
 

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jkv import attention, kv
+from jkv import kv
+from jkv.core import attention
 from jkv_models.config import ModelConfig
 from jkv_models.llama import causal_attention, forward, init_params
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import jkv
+from jkv.request import Request
 
 gen = importlib.import_module("jkv.generate")
 
@@ -24,7 +25,7 @@ def _prompts(seed, lengths, vocab):
 
 
 def _session(params, prompts, **kw):
-    req = gen.Request.build(params, **{**gen._GENERATE_DEFAULTS, **kw})
+    req = Request.build(params, **kw)
     return gen.Session(params, prompts, req)
 
 

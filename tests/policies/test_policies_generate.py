@@ -10,6 +10,7 @@ import pytest
 
 import jkv
 from jkv import kv as kvlib
+from jkv.request import Request
 
 gen = importlib.import_module("jkv.generate")
 NAMES = [
@@ -78,7 +79,7 @@ def test_kv_bytes_are_the_live_arrays_and_memory_predicts_them(params, name, kv_
     kw = dict(kv_dtype=kv_dtype, kv_policy=name)
     if name != "full":
         kw["kv_budget"] = 0.4
-    req = gen.Request.build(params, **{**gen._GENERATE_DEFAULTS, **kw})
+    req = Request.build(params, **kw)
     session = gen.Session(params, prompts, req)
     session.run()
     result = session.results()[0]
@@ -133,7 +134,7 @@ def test_streaming_past_trained_context_compiles_once_constant_bytes(tiny_params
     params = tiny_params("llama", max_position_embeddings=64)
     steps = 4 * params.config.max_position_embeddings
     settings = dict(max_new_tokens=steps, backend="xla", kv_policy=jkv.StreamingLLM(budget=24))
-    req = gen.Request.build(params, **{**gen._GENERATE_DEFAULTS, **settings})
+    req = Request.build(params, **settings)
     session = gen.Session(params, [list(range(3, 13))], req)
     sizes = set()
     before = gen.decode._cache_size()

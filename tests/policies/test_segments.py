@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from policy_refs import context, random_layer
 
-from jkv import attention as attn
 from jkv import kv as kvlib
+from jkv.core import attention as attn
+from jkv.core.backends import ops
 from jkv.policies import SnapKV, SnapKVSegments, resolve, segment_report
 from jkv.policies.segments import (
     EMPTY,
@@ -38,7 +39,7 @@ def planner(policy):
 
 @functools.lru_cache
 def rebuilder(policy, cap):
-    return jax.jit(lambda layer: policy.rebuild(0, layer, context(layer, policy), cap, "xla"))
+    return jax.jit(lambda layer: policy.rebuild(0, layer, context(layer, policy), cap, ops("xla")))
 
 
 def np_scores(votes, n, decay):
@@ -294,7 +295,7 @@ def test_state_fields_follow_append_grow_compact_and_bytes(rng):
     assert kvlib.nbytes(state) == new.k.nbytes * 2 + new.bias.nbytes + factors
     assert kvlib.used_bytes(state) <= kvlib.nbytes(state)
     k_new = jnp.ones((3, 1, 2, 16), jnp.float32)
-    grown = kvlib.grow(new, 2)
+    grown = kvlib.pad_slots(new, 2)
     assert grown.capacity == new.capacity + 2 and grown.lowrank.coef_k is not new.lowrank.coef_k
     appended = kvlib.append(
         grown.replace(bias=grown.bias + 5.0),

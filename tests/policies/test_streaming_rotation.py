@@ -10,8 +10,8 @@ import pytest
 
 import jkv
 from jkv import kv as kvlib
-from jkv.attention import make_attention
-from jkv.prefill import score
+from jkv.core.attention import make_attention
+from jkv.scoring import score
 
 SINK, BUDGET = 4, 8
 H, KH, G = 16, 2, 2
@@ -103,7 +103,7 @@ def test_attention_equals_numpy_at_contiguous_cache_positions(backend, offset):
     for i in range(n_decode):
         out, layer = call(i, i + 1, layer, backend)
         got.append(np.asarray(out)[0, 0])
-    layer = kvlib.grow(layer, chunk)  # room for the chunk, as a continued state gets
+    layer = kvlib.pad_slots(layer, chunk)  # room for the chunk, as a continued state gets
     out, layer = call(n_decode, n, layer, "xla")
     got.extend(np.asarray(out)[0])
     want = np_streaming_outputs(qs, ks, vs, positions, inv_freq, chunk)

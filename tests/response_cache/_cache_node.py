@@ -12,13 +12,13 @@ import time
 import types
 from pathlib import Path
 
-# Import jkv.cache without running jkv/__init__.py (JAX): the cache must not need it, and
+# Import jkv.response_cache without running jkv/__init__.py (JAX): the cache must not need it, and
 # a node then starts in a fraction of a second.
 _stub = types.ModuleType("jkv")
 _stub.__path__ = [str(Path(__file__).resolve().parents[2] / "jkv")]
 sys.modules.setdefault("jkv", _stub)
 
-from jkv.cache import ResponseCache  # noqa: E402
+from jkv.response_cache import ResponseCache  # noqa: E402
 
 SETTINGS = {"temperature": 0.0, "max_new_tokens": 16}
 

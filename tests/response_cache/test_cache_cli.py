@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from jkv.cache import ResponseCache
-from jkv.cache import cli as cache_cli
+from jkv.response_cache import ResponseCache
+from jkv.response_cache import cli as cache_cli
 
 SETTINGS = {"temperature": 0.0}
 ANSWER = {"text": "ok", "tokens": [1], "finish_reason": "stop"}

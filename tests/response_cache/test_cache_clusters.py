@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jkv.cache import ClusterIdFn, KMeansClusterer
+from jkv.response_cache import ClusterIdFn, KMeansClusterer
 
 
 def blobs(rng, k=4, per=50, dim=8):

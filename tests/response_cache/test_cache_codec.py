@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jkv.cache.codec import FORMAT_VERSION, CodecError, Record, decode, encode, fields_of
+from jkv.response_cache.codec import FORMAT_VERSION, CodecError, Record, decode, encode, fields_of
 
 records = st.builds(
     Record,

@@ -10,9 +10,9 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import pre_tokenizers
 
 import jkv
-from jkv.cached import stream_cached
 from jkv.embedding import ModelEmbedder, fit_clusters
-from jkv.generate import _GENERATE_DEFAULTS, Request
+from jkv.request import Request
+from jkv.response_cache.front import stream_cached
 from jkv.tokenizer import Tokenizer
 
 
@@ -218,7 +218,7 @@ def _drain(gen):
 
 
 def test_stream_cached_streams_a_miss_and_answers_a_hit_in_one_piece(params, redis_url):
-    req = Request.build(params, **{**_GENERATE_DEFAULTS, "max_new_tokens": 6})
+    req = Request.build(params, **{"max_new_tokens": 6})
     want = jkv.generate(params, "w4 w4 w2", max_new_tokens=6)
     with jkv.ResponseCache(redis_url, node_id="s1") as a, jkv.ResponseCache(redis_url) as b:
         pieces, made = _drain(stream_cached(params, "w4 w4 w2", req, a, two_pieces))
@@ -230,7 +230,7 @@ def test_stream_cached_streams_a_miss_and_answers_a_hit_in_one_piece(params, red
 
 
 def test_a_stream_closed_early_stores_nothing(params):
-    req = Request.build(params, **{**_GENERATE_DEFAULTS, "max_new_tokens": 6})
+    req = Request.build(params, **{"max_new_tokens": 6})
     cache = jkv.ResponseCache()
     stream = stream_cached(params, "w6 w6 w6", req, cache, two_pieces)
     next(stream)

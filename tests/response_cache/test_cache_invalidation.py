@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from jkv.cache import ResponseCache
-from jkv.cache import keys as K
+from jkv.response_cache import ResponseCache
+from jkv.response_cache import keys as K
 
 pytestmark = pytest.mark.timeout(60)
 SETTINGS = {"temperature": 0.0}
@@ -69,7 +69,7 @@ def test_importing_jkv_cache_loads_neither_redis_nor_jax():
     code = (
         "import sys, types; stub = types.ModuleType('jkv'); "
         f"stub.__path__ = [{str(root / 'jkv')!r}]; sys.modules['jkv'] = stub; "
-        "import jkv.cache; "
+        "import jkv.response_cache; "
         "bad = {'redis', 'jax', 'torch'} & set(sys.modules); "
         "assert not bad, bad"
     )

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jkv.cache import is_cacheable, normalize_prompt, request_hash
-from jkv.cache import keys as K
+from jkv.response_cache import is_cacheable, normalize_prompt, request_hash
+from jkv.response_cache import keys as K
 
 BASE = {
     "temperature": 0.0,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import threading
 
-from jkv.cache.codec import Record
-from jkv.cache.l1 import L1Cache
+from jkv.response_cache.codec import Record
+from jkv.response_cache.l1 import L1Cache
 
 
 class Clock:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from jkv.cache.metrics import Histogram, RateLimitedLog
+from jkv.response_cache.metrics import Histogram, RateLimitedLog
 
 
 def test_histogram_buckets_are_cumulative_like_prometheus():
@@ -18,9 +18,9 @@ def test_histogram_buckets_are_cumulative_like_prometheus():
 
 def test_rate_limited_log_keeps_one_line_per_kind_per_interval(caplog, monkeypatch):
     now = [100.0]
-    monkeypatch.setattr("jkv.cache.metrics.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("jkv.response_cache.metrics.time.monotonic", lambda: now[0])
     errlog = RateLimitedLog(interval=10.0)
-    with caplog.at_level(logging.WARNING, logger="jkv.cache"):
+    with caplog.at_level(logging.WARNING, logger="jkv.response_cache"):
         assert errlog.warning("connection", "down")
         assert not errlog.warning("connection", "down")
         assert not errlog.warning("connection", "down")

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import pytest
 
 import jkv
-from jkv.cached import request_settings
 from jkv.checkpoints import default_name
-from jkv.generate import _GENERATE_DEFAULTS, Request
+from jkv.request import Request
+from jkv.response_cache.front import request_settings
 
 PROMPT = "w1 w2 w3 w4"
 
@@ -44,7 +44,7 @@ def test_dtype_follows_the_weights_and_sets_the_key_kv_dtype(tiny_params):
     cast = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
     assert params.dtype == "float32" and cast.dtype == "bfloat16"
     assert cast.config.dtype == "float32"  # the static config did not follow the cast
-    req = Request.build(cast, **_GENERATE_DEFAULTS)
+    req = Request.build(cast)
     assert request_settings(req, cast)["kv_dtype"] == "bfloat16"
 
 

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from jkv.cache import keys as K
-from jkv.cache.codec import Record, encode
+from jkv.response_cache import keys as K
+from jkv.response_cache.codec import Record, encode
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from jkv.cache import CacheUnavailableError, ResponseCache
+from jkv.response_cache import CacheUnavailableError, ResponseCache
 
 pytestmark = pytest.mark.timeout(120)
 SETTINGS = {"temperature": 0.0, "max_new_tokens": 8}

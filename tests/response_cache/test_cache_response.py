@@ -8,9 +8,9 @@ import time
 import msgpack
 import pytest
 
-from jkv.cache import KMeansClusterer, Record, ResponseCache
-from jkv.cache import keys as K
-from jkv.cache.codec import FORMAT_VERSION, encode
+from jkv.response_cache import KMeansClusterer, Record, ResponseCache
+from jkv.response_cache import keys as K
+from jkv.response_cache.codec import FORMAT_VERSION, encode
 
 pytestmark = pytest.mark.timeout(120)
 SETTINGS = {"temperature": 0.0, "max_new_tokens": 8, "kv_policy": {"name": "snapkv", "k": 64}}

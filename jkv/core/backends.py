@@ -1,0 +1,91 @@
+"""One table from attention backend to the Pallas kernels or their float32 references.
+
+  "xla"               plain jnp (the CPU default): every operation through the kernels' jnp
+                      references (attention itself through `jkv.core.attention`'s jnp path);
+  "pallas"            the Pallas Triton kernels (the GPU default);
+  "pallas_interpret"  the same kernels in the Pallas interpreter, on any machine (slow: tests).
+
+Everything that picks a kernel by backend asks `ops(backend)`; nothing else branches on the name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+
+from jkv_kernels import (
+    decode_attention,
+    kv_compact,
+    kv_compact_reference,
+    lowrank_attention,
+    quantize_append,
+    quantize_append_reference,
+    segment_merge,
+    segment_merge_reference,
+    window_scores,
+    window_scores_reference,
+)
+
+BACKENDS = ("xla", "pallas", "pallas_interpret")
+
+
+@dataclasses.dataclass(frozen=True)
+class Ops:
+    """The operations of one backend. `decode_attention` / `lowrank_attention` are None on
+    "xla", whose attention is the jnp path of `jkv.core.attention` (prefill runs there on every
+    backend)."""
+
+    name: str
+    quantize_append: Callable
+    kv_compact: Callable
+    window_scores: Callable
+    segment_merge: Callable
+    decode_attention: Callable | None
+    lowrank_attention: Callable | None
+
+
+def _kernels(name: str, interpret: bool) -> Ops:
+    def k(fn):
+        return functools.partial(fn, interpret=interpret)
+
+    return Ops(
+        name=name,
+        quantize_append=k(quantize_append),
+        kv_compact=k(kv_compact),
+        window_scores=k(window_scores),
+        segment_merge=k(segment_merge),
+        decode_attention=k(decode_attention),
+        lowrank_attention=k(lowrank_attention),
+    )
+
+
+_TABLE = {
+    "xla": Ops(
+        name="xla",
+        quantize_append=quantize_append_reference,
+        kv_compact=kv_compact_reference,
+        window_scores=window_scores_reference,
+        segment_merge=segment_merge_reference,
+        decode_attention=None,
+        lowrank_attention=None,
+    ),
+    "pallas": _kernels("pallas", interpret=False),
+    "pallas_interpret": _kernels("pallas_interpret", interpret=True),
+}
+
+
+def validate_backend(backend: str | None) -> str:
+    """Resolves None to the platform default and rejects unknown names."""
+    if backend is None:
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not supported; expected one of {BACKENDS}")
+    return backend
+
+
+def ops(backend: str) -> Ops:
+    """The operations of `backend` (a name from `BACKENDS`)."""
+    return _TABLE[validate_backend(backend)]

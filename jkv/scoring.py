@@ -1,0 +1,160 @@
+"""Perplexity under compression: `score` (a text's log-probabilities over a prompt pass,
+continuing a compressed state if given), `stream_score` (token by token through the decode path,
+as StreamingLLM measures it) and `logits` (no compression, the model's plain output).
+
+All three run the model through `jkv.core.step.model_step`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jkv import kv as kvlib
+from jkv import policies
+from jkv.core.backends import validate_backend
+from jkv.core.step import model_step
+from jkv.kv import bucket
+from jkv.params import Params
+from jkv.prefill import check_state, empty_state, prefill_step
+from jkv.prompt import encode_prompts
+from jkv_models.config import ModelConfig
+
+
+def one_text(params: Params, text, what: str, *, continuation: bool = False) -> list[int]:
+    """The ids of the one text a scoring function takes (at least 2 tokens)."""
+    if not isinstance(params, Params):
+        raise ValueError(f"params is a {type(params).__name__}; expected jkv.Params")
+    rows, is_batch = encode_prompts(params, text, continuation=continuation)
+    if is_batch:
+        raise ValueError(f"{what} takes one text; got a batch of {len(rows)}")
+    if len(rows[0]) < 2:
+        raise ValueError(f"text has {len(rows[0])} token(s); scoring needs at least 2")
+    return rows[0]
+
+
+def score(params: Params, text, *, kv_state: kvlib.KVState | None = None, backend=None):
+    """Log-probabilities the model gives each next token of `text` (one row), continuing
+    `kv_state` if given (e.g. a context compressed by a policy): perplexity under compression.
+
+    Returns:
+      float32 numpy `[n - 1]`: log p(token_i | the state and text[:i]) for i = 1..n-1.
+    """
+    ids = one_text(params, text, "score", continuation=kv_state is not None)
+    backend = validate_backend(backend)
+    t = bucket(len(ids))
+    tokens = np.zeros((1, t), np.int32)
+    tokens[0, : len(ids)] = ids
+    cfg = params.config
+    if kv_state is not None:
+        check_state(kv_state, params.config, 1, None)
+        kv, policy = kvlib.with_room(kv_state, t), kv_state.policy
+    else:
+        kv, policy = empty_state(cfg, 1, t, params.kv_dtype), None
+    logits, _ = prefill_step(
+        params.weights,
+        cfg,
+        jnp.asarray(tokens),
+        jnp.asarray([len(ids)], jnp.int32),
+        kv,
+        backend=backend,
+        policy=policy,
+        all_logits=True,
+    )
+    logp = np.asarray(jax.nn.log_softmax(logits[0, : len(ids) - 1], axis=-1))
+    return logp[np.arange(len(ids) - 1), np.asarray(ids[1:])].astype(np.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "backend"))
+def _teacher_forced(weights, config: ModelConfig, ids, kv, *, backend: str):
+    """log p(ids[i + 1] | ids[:i + 1]) fed one token at a time through the decode path
+    (`kv.policy` applied at every step, as in generation): float32 `[n - 1]`."""
+
+    def step(kv, tok):
+        logits, kv = model_step(
+            weights,
+            config,
+            kv,
+            tok[None, None],
+            kv.next_position[:, None],
+            jnp.ones((1,), jnp.int32),
+            policy=kv.policy,
+            backend=backend,
+            logits_at=jnp.zeros((1,), jnp.int32),
+        )
+        return kv, jax.nn.log_softmax(logits[0].astype(jnp.float32))
+
+    _, logp = jax.lax.scan(step, kv, ids[:-1])
+    return logp[jnp.arange(ids.shape[0] - 1), ids[1:]]
+
+
+def stream_score(params: Params, text, *, policy=None, backend=None):
+    """Per-token log-probabilities of `text` (one row) decoded token by token, the way
+    StreamingLLM measures perplexity: with `policy` (an evicting policy of integer budget, e.g.
+    `StreamingLLM(budget=256)`) the cache never holds more than its budget however long the text;
+    with None, a full cache of the whole text (the contrast past the trained context).
+
+    Returns:
+      float32 numpy `[n - 1]`: log p(token_i | text[:i]) for i = 1..n-1.
+    """
+    ids = one_text(params, text, "stream_score")
+    backend = validate_backend(backend)
+    policy = policies.resolve(policy)
+    cfg = params.config
+    if policy is None:
+        kv = empty_state(cfg, 1, len(ids), params.kv_dtype)
+    elif policy.evicts and isinstance(policy.budget, int):
+        cap = policy.capacities(cfg.num_layers, [len(ids)], 0)[0]
+        kv = empty_state(
+            cfg,
+            1,
+            cap,
+            params.kv_dtype,
+            policy=policy.jit_key(),
+            limit=policy.row_limits([len(ids)]),
+        )
+    else:
+        raise ValueError(
+            f"policy={policy.describe()} must evict at a fixed integer budget (e.g. "
+            "StreamingLLM(budget=256)); a fractional budget needs the whole text up front"
+        )
+    out = _teacher_forced(params.weights, cfg, jnp.asarray(ids, jnp.int32), kv, backend=backend)
+    return np.asarray(out, np.float32)
+
+
+def logits(params: Params, token_ids) -> jax.Array:
+    """Float32 logits `[B, T, V]` for token ids `[B, T]` (or `[T]`), no cache, causal."""
+    if not isinstance(params, Params):
+        raise ValueError(f"params is a {type(params).__name__}; expected jkv.Params")
+    try:
+        ids = np.asarray(token_ids)
+    except ValueError:
+        raise ValueError("token_ids rows differ in length; expected a rectangular [B, T]") from None
+    if ids.dtype == object or not np.issubdtype(ids.dtype, np.integer) and ids.size:
+        raise ValueError(f"token_ids must be integer ids; got dtype {ids.dtype}")
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.ndim != 2 or ids.shape[1] == 0:
+        raise ValueError(f"token_ids has shape {ids.shape}; expected [B, T] with T >= 1")
+    vocab = params.config.vocab_size
+    if ids.min() < 0 or ids.max() >= vocab:
+        raise ValueError(
+            f"token_ids holds id {int(ids.max() if ids.max() >= vocab else ids.min())};"
+            f" expected ids in [0, {vocab})"
+        )
+    b, t = ids.shape
+    tokens = np.zeros((b, bucket(t)), np.int32)
+    tokens[:, :t] = ids
+    kv = empty_state(params.config, b, bucket(t), params.kv_dtype)
+    out, _ = prefill_step(
+        params.weights,
+        params.config,
+        jnp.asarray(tokens),
+        jnp.full((b,), t, jnp.int32),
+        kv,
+        all_logits=True,
+    )
+    return out[:, :t]
