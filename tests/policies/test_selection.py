@@ -189,7 +189,7 @@ def test_h2o_write_slot_evicts_lightest_outside_recent(rng):
         (lambda: PyramidKV(beta=0.5), r"beta=0.5 must be a number >= 1"),
         (lambda: AdaKV(alpha_safeguard=2), r"alpha_safeguard=2 must be in \[0, 1\]"),
         (lambda: EffiCache(prune_ratio=-1), r"prune_ratio=-1 must be in \[0, 1\]"),
-        (lambda: EffiCache(grad_threshold=0.1), r"give both \(the seed's rule\) or neither"),
+        (lambda: EffiCache(grad_threshold=0.1), r"give both \(the absolute rule\) or neither"),
         (lambda: Quantile(q=1.0), r"q=1.0 must be a quantile in \[0, 1\)"),
         (lambda: Quantile(keep_norms="mid"), r"keep_norms='mid' must be 'high' or 'low'"),
     ],
