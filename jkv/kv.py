@@ -32,6 +32,8 @@ KV_DTYPES = ("float32", "bfloat16", "float8_e4m3fn")
 SCALE_DTYPE = jnp.bfloat16  # 2 bytes: keeps fp8 KV at ~0.51x bf16 with scales counted
 MIN_BUCKET = 16
 NO_LIMIT = 2**30  # `KVState.limit` of rows whose policy never evicts
+PREFILL_CHUNK = 512  # prompt tokens per prefill model step (a power of two >= MIN_BUCKET)
+ATTENTION_BLOCK = 256  # key slots per step of the jnp flash-attention path
 
 
 def bucket(n: int) -> int:

@@ -3,8 +3,8 @@
 Two limits: the model's trained context (`max_position_embeddings`), which a request passes only
 when asked (`allow_beyond_context=True`, flagged in `result.stats`) or under a policy that keeps
 its positions within its cache (StreamingLLM's re-rotation); and the memory the request needs
-(its KV cache, the prefill's attention scores, the token buffer) against what the device has
-free. Both raise `ValueError` naming the request's values and what would fit.
+(its KV cache, the working set of one prefill step, the token buffer) against what the device
+has free. Both raise `ValueError` naming the request's values and what would fit.
 """
 
 from __future__ import annotations
@@ -62,7 +62,10 @@ def available_bytes(device=None) -> int | None:
 
 
 def request_bytes(params, prompt_lengths, max_new_tokens: int, *, policy, kv_dtype, start=0):
-    """Bytes a request allocates at its peak: (KV cache, prefill scores, token buffer)."""
+    """Bytes a request allocates at its peak: (KV cache, one prefill step's working set, token
+    buffer). A prefill step takes at most `PREFILL_CHUNK` tokens and attends key block by key
+    block, so its working set is a chunk's activations and its float32 attention tiles, whatever
+    the prompt's length (an estimate: XLA's buffer assignment decides the exact figure)."""
     cfg = params.config
     batch, longest = len(prompt_lengths), start + max(prompt_lengths)
     kv = memory(
@@ -75,11 +78,12 @@ def request_bytes(params, prompt_lengths, max_new_tokens: int, *, policy, kv_dty
     ).total
     if policy is not None:  # the prompt's full cache exists until it is compressed
         kv = max(kv, memory(params, batch, longest, max_new_tokens=0, kv_dtype=kv_dtype).total)
-    t = kvlib.bucket(max(prompt_lengths))
-    s = t + start + kvlib.headroom(max_new_tokens)
-    scores = batch * cfg.num_heads * t * s * 4  # one layer's float32 attention scores
+    c = min(kvlib.bucket(max(prompt_lengths)), kvlib.PREFILL_CHUNK)
+    tiles = cfg.num_heads * (2 * kvlib.ATTENTION_BLOCK + cfg.head_dim)  # scores, probs, output
+    activations = 4 * cfg.hidden_size + 3 * cfg.intermediate_size + cfg.vocab_size // c
+    step = batch * c * (tiles + activations) * 4
     tokens = batch * kvlib.bucket(max(max_new_tokens, 1)) * 4
-    return kv, scores, tokens
+    return kv, step, tokens
 
 
 def check_memory(params, prompt_lengths, max_new_tokens: int, *, policy, kv_dtype, start=0):
@@ -90,11 +94,11 @@ def check_memory(params, prompt_lengths, max_new_tokens: int, *, policy, kv_dtyp
     free = available_bytes(params.mesh.devices.flat[0] if params.mesh is not None else None)
     if free is None or sum(parts) <= free:
         return
-    kv, scores, tokens = (x / GIB for x in parts)
+    kv, step, tokens = (x / GIB for x in parts)
     raise ValueError(
         f"this request (batch {len(prompt_lengths)}, longest prompt {max(prompt_lengths)} "
         f"tokens, max_new_tokens={max_new_tokens}, kv_dtype={kv_dtype!r}) needs about "
-        f"{sum(parts) / GIB:.1f} GiB (KV cache {kv:.1f}, prefill attention scores {scores:.1f}, "
+        f"{sum(parts) / GIB:.1f} GiB (KV cache {kv:.1f}, a prefill step {step:.1f}, "
         f"token buffer {tokens:.1f}) but {free / GIB:.1f} GiB are free; lower max_new_tokens, "
         "the prompt or the batch, or use a kv_policy with a budget"
     )

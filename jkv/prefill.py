@@ -18,7 +18,7 @@ from jkv import kv as kvlib
 from jkv import policies
 from jkv.core.backends import validate_backend
 from jkv.core.step import model_step, next_positions
-from jkv.kv import bucket, headroom
+from jkv.kv import PREFILL_CHUNK, bucket, headroom
 from jkv.limits import check_context, check_memory
 from jkv.params import Params
 from jkv.policies.compress import compress
@@ -59,6 +59,65 @@ def prefill_step(
     )
 
 
+def chunks(prompts: list[list[int]], chunk: int):
+    """The prompts cut into steps of `chunk` tokens, aligned at each row's END: every row's last
+    step holds its last min(len, chunk) tokens (so an observation window of up to `chunk`
+    tokens, and the logits of the last token, are in the last step), its first step the rest.
+
+    Yields (tokens `[B, chunk]` int32 numpy, row b's real ones first; n_new `[B]` int32).
+    """
+    lengths = np.array([len(p) for p in prompts])
+    steps = -(-int(lengths.max()) // chunk)
+    for j in range(steps):
+        end = lengths - (steps - 1 - j) * chunk
+        start = np.maximum(end - chunk, 0)
+        n_new = np.maximum(end - start, 0).astype(np.int32)
+        tokens = np.zeros((len(prompts), chunk), np.int32)
+        for b, p in enumerate(prompts):
+            tokens[b, : n_new[b]] = p[start[b] : start[b] + n_new[b]]
+        yield tokens, n_new
+
+
+def step_tokens(prompts, chunk: int, policy) -> int:
+    """Tokens per prefill step: `chunk`, at least an observation window (SnapKV's last W prompt
+    tokens must be in the last step), at most the prompt's bucket (a short prompt is one step)."""
+    window = getattr(policy, "window", 0) or 0
+    return min(max(chunk, bucket(window)), bucket(max(len(p) for p in prompts)))
+
+
+def prefill_chunked(params, prompts, kv, *, backend, policy, chunk, evict_to=None):
+    """Runs the prompts through the model `chunk` tokens at a time (one compiled step for every
+    chunk), each step attending to the cache so far plus itself: attention memory is
+    O(chunk x key block), never O(prompt^2).
+
+    `evict_to` (an evicting policy's per-layer capacities, each with room for one chunk): after
+    every step but the last, the policy evicts each row back to its budget (`KVState.limit`),
+    so the cache never holds more than budget + chunk tokens, whatever the prompt's length
+    (StreamingLLM keeps its sinks and window as it streams; H2O keeps its heavy hitters by the
+    attention mass accumulated so far). Returns (logits `[B, V]` at each row's last token, the
+    state)."""
+    steps = list(chunks(prompts, chunk))
+    logits = None
+    for j, (tokens, n_new) in enumerate(steps):
+        tokens, n_new = jnp.asarray(tokens), jnp.asarray(n_new)
+        logits, kv = prefill_step(
+            params.weights, params.config, tokens, n_new, kv, backend=backend, policy=policy
+        )
+        if evict_to is not None and j < len(steps) - 1:
+            kv = compress(
+                params.weights,
+                params.config,
+                kv,
+                tokens,
+                n_new,
+                kv.limit,
+                policy=policy,
+                capacities=evict_to,
+                backend=backend,
+            )
+    return logits, kv
+
+
 # ------------------------------------------------------------------ the state a request needs
 def check_state(state, cfg: ModelConfig, batch: int, kv_dtype: str | None) -> None:
     if not isinstance(state, kvlib.KVState):
@@ -88,8 +147,10 @@ def prepare(
     backend: str,
     max_new_tokens: int,
     kv_state: kvlib.KVState | None = None,
+    chunk: int = PREFILL_CHUNK,
 ):
-    """Prefills `prompts` into a state ready to decode `max_new_tokens` more tokens per row.
+    """Prefills `prompts` into a state ready to decode `max_new_tokens` more tokens per row,
+    `chunk` prompt tokens per model step (`prefill_chunked`).
 
     Without `kv_state`: a fresh cache; the policy (if any) compresses the prompt's cache.
     With `kv_state` (from `jkv.prefill`): the prompts continue it, uncompressed (its policy
@@ -109,6 +170,8 @@ def prepare(
         tokens[i, : len(p)] = p
     tokens, n_new = jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32)
 
+    chunk = step_tokens(prompts, chunk, policy if kv_state is None else kv_state.policy)
+    evict_to = None
     if kv_state is not None:
         key = kv_state.policy
         evicting = key is not None and key.evicts
@@ -116,11 +179,16 @@ def prepare(
     else:
         key = None if policy is None else policy.jit_key()
         capacity = t if policy is not None else t + headroom(max_new_tokens)
+        final = policy.capacities(cfg.num_layers, lengths, max_new_tokens) if policy else ()
+        if policy is not None and policy.evicts and max(final) + chunk < t:
+            capacity = evict_to = tuple(c + chunk for c in final)  # evict as the prompt streams
         limits = None if policy is None else policy.row_limits(lengths)
         kv = empty_state(cfg, len(prompts), capacity, kv_dtype, policy=key, limit=limits)
     if params.mesh is not None:
         kv = shard_kv(kv, params.mesh)
-    logits, kv = prefill_step(params.weights, cfg, tokens, n_new, kv, backend=backend, policy=key)
+    logits, kv = prefill_chunked(
+        params, prompts, kv, backend=backend, policy=key, chunk=chunk, evict_to=evict_to
+    )
     budgets = capacities = None
     if kv_state is None and policy is not None:
         budgets = jnp.asarray(policy.row_budgets(lengths))
@@ -152,6 +220,7 @@ def prefill(
     kv_dtype=None,
     backend=None,
     allow_beyond_context: bool = False,
+    chunk: int = PREFILL_CHUNK,
 ) -> kvlib.KVState:
     """Prefills (and compresses) a context once, to continue later from the returned state.
 
@@ -169,6 +238,8 @@ def prefill(
       backend: attention backend ("xla", "pallas", "pallas_interpret").
       allow_beyond_context: accept a context longer than the model's trained one (as in
         `jkv.generate`).
+      chunk: prompt tokens per model step (a power of two >= 16): attention's working memory
+        is O(chunk x key block), whatever the context's length.
 
     Returns:
       The `KVState` (its `policy` attached).
@@ -178,6 +249,8 @@ def prefill(
     policy = policies.resolve(kv_policy, kv_budget)
     kv_dtype = kvlib.validate_kv_dtype(kv_dtype or params.kv_dtype)
     backend = validate_backend(backend)
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 16 or chunk & (chunk - 1):
+        raise ValueError(f"chunk={chunk!r} must be a power of two >= 16 (tokens per model step)")
     prompts, _ = encode_prompts(params, context)
     lengths = [len(p) for p in prompts]
     rerank_within = max(policy.row_limits(lengths)) if policy and policy.raw_keys else None
@@ -186,7 +259,13 @@ def prefill(
     )
     check_memory(params, lengths, 0, policy=policy, kv_dtype=kv_dtype)
     _, state = prepare(
-        params, prompts, policy=policy, kv_dtype=kv_dtype, backend=backend, max_new_tokens=0
+        params,
+        prompts,
+        policy=policy,
+        kv_dtype=kv_dtype,
+        backend=backend,
+        max_new_tokens=0,
+        chunk=chunk,
     )
     return state
 

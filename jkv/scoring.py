@@ -17,9 +17,10 @@ from jkv import kv as kvlib
 from jkv import policies
 from jkv.core.backends import validate_backend
 from jkv.core.step import model_step
-from jkv.kv import bucket
+from jkv.kv import PREFILL_CHUNK, bucket
 from jkv.params import Params
-from jkv.prefill import check_state, empty_state, prefill_step
+from jkv.policies.compress import compress
+from jkv.prefill import check_state, chunks, empty_state, prefill_step
 from jkv.prompt import encode_prompts
 from jkv_models.config import ModelConfig
 
@@ -123,6 +124,69 @@ def stream_score(params: Params, text, *, policy=None, backend=None):
         )
     out = _teacher_forced(params.weights, cfg, jnp.asarray(ids, jnp.int32), kv, backend=backend)
     return np.asarray(out, np.float32)
+
+
+def chunk_score(params: Params, text, *, policy=None, chunk: int = PREFILL_CHUNK, backend=None):
+    """Per-token log-probabilities of `text` (one row) fed `chunk` tokens per model step, the
+    way a long prompt is prefilled: with `policy` (an evicting policy of integer budget) the
+    policy evicts back to its budget after every step, so the cache never holds more than
+    budget + chunk tokens however long the text; with None, a full cache of the whole text.
+    A chunk's tokens see each other and what the cache kept (`stream_score` feeds one token at
+    a time instead).
+
+    Returns:
+      float32 numpy `[n - 1]`: log p(token_i | text[:i], as the cache kept it) for i = 1..n-1.
+    """
+    ids = one_text(params, text, "chunk_score")
+    backend = validate_backend(backend)
+    policy = policies.resolve(policy)
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 16 or chunk & (chunk - 1):
+        raise ValueError(f"chunk={chunk!r} must be a power of two >= 16 (tokens per model step)")
+    cfg = params.config
+    evict_to, key = None, None
+    if policy is None:
+        kv = empty_state(cfg, 1, bucket(len(ids)), params.kv_dtype)
+    elif policy.evicts and isinstance(policy.budget, int):
+        key = policy.jit_key()
+        evict_to = tuple(c + chunk for c in policy.capacities(cfg.num_layers, [len(ids)], 0))
+        kv = empty_state(
+            cfg, 1, evict_to, params.kv_dtype, policy=key, limit=policy.row_limits([len(ids)])
+        )
+    else:
+        raise ValueError(
+            f"policy={policy.describe()} must evict at a fixed integer budget (e.g. "
+            "StreamingLLM(budget=256)); a fractional budget needs the whole text up front"
+        )
+    out, done = [], 0
+    for tokens, n_new in chunks([ids], chunk):
+        tokens, n = jnp.asarray(tokens), int(n_new[0])
+        logits_, kv = prefill_step(
+            params.weights,
+            cfg,
+            tokens,
+            jnp.asarray(n_new),
+            kv,
+            backend=backend,
+            policy=key,
+            all_logits=True,
+        )
+        targets = ids[done + 1 : done + n + 1]  # the next token of each of this step's tokens
+        logp = jax.nn.log_softmax(logits_[0, : len(targets)], axis=-1)
+        out.append(np.asarray(logp[jnp.arange(len(targets)), jnp.asarray(targets)]))
+        done += n
+        if evict_to is not None:
+            kv = compress(
+                params.weights,
+                cfg,
+                kv,
+                tokens,
+                jnp.asarray(n_new),
+                kv.limit,
+                policy=key,
+                capacities=evict_to,
+                backend=backend,
+            )
+    return np.concatenate(out).astype(np.float32)
 
 
 def logits(params: Params, token_ids) -> jax.Array:

@@ -35,7 +35,10 @@ from jkv_kernels.paged_decode_attention import (
     paged_decode_attention_reference,
 )
 from jkv_kernels.prefill_attention import prefill_attention, prefill_attention_reference
-from jkv_kernels.prefill_attention_blocked import prefill_attention_blocked
+from jkv_kernels.prefill_attention_blocked import (
+    prefill_attention_blocked,
+    prefill_attention_mass_blocked,
+)
 from jkv_kernels.prefill_attention_mass import (
     prefill_attention_mass,
     prefill_attention_mass_reference,
@@ -49,6 +52,7 @@ __all__ = [
     "paged_decode_attention_reference",
     "prefill_attention",
     "prefill_attention_blocked",
+    "prefill_attention_mass_blocked",
     "prefill_attention_mass",
     "prefill_attention_mass_reference",
     "prefill_attention_reference",

@@ -229,6 +229,40 @@ def _kernel_decode(q, layer, q_positions, sliding_window, kernels: Ops, return_m
     return res[:, None]
 
 
+def flash_ready(layer: kvlib.LayerKV) -> bool:
+    """Whether the prefill kernels (and their blocked jnp twin) take this layer: no low-rank
+    segments, a head dim they tile (a power of two >= 16)."""
+    h = layer.k.shape[-1]
+    return layer.lowrank is None and h >= 16 and h & (h - 1) == 0
+
+
+def chunk_attention(q, q_positions, n_new, layer, sliding_window, kernels: Ops, want_mass,
+                    key_rotation):  # fmt: skip
+    """Attention of T > 1 new queries per row over the cache, key block by key block (flash
+    attention; no [T, S] score tensor): q `[B, T, N, H]` -> `[B, T, N, H]`, and with `want_mass`
+    the probability each slot received `[B, K, S]` (a second pass over the keys)."""
+    rot_pos, inv_freq = key_rotation if key_rotation is not None else (None, None)
+    common = dict(
+        q_lengths=n_new,
+        k_scale=layer.k_scale,
+        slot_bias=layer.bias,
+        rope_positions=rot_pos,
+        rope_inv_freq=inv_freq,
+        sliding_window=sliding_window,
+    )
+    res = kernels.prefill_attention(
+        q, layer.k, layer.v, layer.lengths, layer.positions, q_positions,
+        v_scale=layer.v_scale, return_lse=want_mass, **common,
+    )  # fmt: skip
+    if not want_mass:
+        return res
+    out, lse = res
+    mass = kernels.prefill_attention_mass(
+        q, layer.k, layer.lengths, layer.positions, q_positions, lse, **common
+    )
+    return out, mass
+
+
 def make_attention(
     n_new: jax.Array,
     *,
@@ -278,6 +312,10 @@ def make_attention(
         if kernels.decode_attention is not None and decoding:
             res = _kernel_decode(
                 q, layer, positions, sliding_window, kernels, want_mass, key_rotation
+            )
+        elif not decoding and flash_ready(layer):
+            res = chunk_attention(
+                q, positions, n_new, layer, sliding_window, kernels, want_mass, key_rotation
             )
         else:
             q_valid = jnp.arange(t)[None, :] < n_new[:, None]

@@ -21,6 +21,10 @@ from jkv_kernels import (
     kv_compact,
     kv_compact_reference,
     lowrank_attention,
+    prefill_attention,
+    prefill_attention_blocked,
+    prefill_attention_mass,
+    prefill_attention_mass_blocked,
     quantize_append,
     quantize_append_reference,
     segment_merge,
@@ -35,10 +39,12 @@ BACKENDS = ("xla", "pallas", "pallas_interpret")
 @dataclasses.dataclass(frozen=True)
 class Ops:
     """The operations of one backend. `decode_attention` / `lowrank_attention` are None on
-    "xla", whose attention is the jnp path of `jkv.core.attention` (prefill runs there on every
-    backend)."""
+    "xla", whose decode attention is the jnp path of `jkv.core.attention`; prefill attention
+    (T > 1 queries) is the flash kernel on Pallas and its key-blocked jnp twin on "xla"."""
 
     name: str
+    prefill_attention: Callable
+    prefill_attention_mass: Callable
     quantize_append: Callable
     kv_compact: Callable
     window_scores: Callable
@@ -53,6 +59,8 @@ def _kernels(name: str, interpret: bool) -> Ops:
 
     return Ops(
         name=name,
+        prefill_attention=k(prefill_attention),
+        prefill_attention_mass=k(prefill_attention_mass),
         quantize_append=k(quantize_append),
         kv_compact=k(kv_compact),
         window_scores=k(window_scores),
@@ -65,6 +73,8 @@ def _kernels(name: str, interpret: bool) -> Ops:
 _TABLE = {
     "xla": Ops(
         name="xla",
+        prefill_attention=prefill_attention_blocked,
+        prefill_attention_mass=prefill_attention_mass_blocked,
         quantize_append=quantize_append_reference,
         kv_compact=kv_compact_reference,
         window_scores=window_scores_reference,

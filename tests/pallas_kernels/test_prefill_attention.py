@@ -12,7 +12,10 @@ import pytest
 from jkv_kernels.kv_compact import pack_mask
 from jkv_kernels.kv_quantize import quantize_reference
 from jkv_kernels.prefill_attention import prefill_attention, prefill_attention_reference
-from jkv_kernels.prefill_attention_blocked import prefill_attention_blocked
+from jkv_kernels.prefill_attention_blocked import (
+    prefill_attention_blocked,
+    prefill_attention_mass_blocked,
+)
 from jkv_kernels.prefill_attention_mass import (
     prefill_attention_mass,
     prefill_attention_mass_reference,
@@ -231,6 +234,24 @@ def test_mass(b, t, s, kh, g, h, dtype, rng, rel_err, ragged_lengths, poison_pas
     # Every real query that sees something spreads probability 1 over the slots of each head.
     seeing = np.isfinite(np.asarray(ref_lse)).reshape(b, t, kh, g).sum(axis=(1, 3))
     np.testing.assert_allclose(mass.sum(-1), seeing, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("b,t,s,kh,g,h,dtype", MASS_CASES, ids=[case_id(*c) for c in MASS_CASES])
+@pytest.mark.parametrize("block_s", [16, 48])
+def test_mass_blocked(b, t, s, kh, g, h, dtype, block_s, rng, rel_err, ragged_lengths, poison_past):
+    """The jnp key-block mass (XLA's path), blocks that divide S or not (a last block that
+    overlaps the one before), against the reference."""
+    x = make_inputs(rng, b, t, s, kh, g, h, dtype, ragged_lengths, poison_past, keep=True)
+    q, k, _, lengths, *rest = x["args"]
+    kw = {n: a for n, a in x["kw"].items() if n != "v_scale"}
+    _, lse = prefill_attention_blocked(*x["args"], **x["kw"], return_lse=True, block_s=block_s)
+    _, ref_lse = prefill_attention_reference(*x["args"], **x["kw"], return_lse=True)
+    mass = prefill_attention_mass_blocked(q, k, lengths, *rest, lse, **kw, block_s=block_s)
+    ref_mass = prefill_attention_mass_reference(q, k, lengths, *rest, ref_lse, **kw)
+    mass = np.asarray(mass)
+    assert mass.shape == (b, kh, s) and mass.dtype == np.float32 and not np.isnan(mass).any()
+    assert rel_err(mass, ref_mass) <= 1e-5
+    assert np.all(mass[x["dead"]] == 0)
 
 
 def _temp_bytes(b, t, kh, g, s, h, block_s):
