@@ -16,6 +16,8 @@ Part 3, wall time: the demo model prefilling a T-token prompt on CPU (jkv.prefil
 `transformers` (sdpa) on the same exported checkpoint and token ids, in the same process.
 Part 4, perplexity past the trained context: StreamingLLM token by token (`stream_score`) and
 chunk by chunk, evicting after each chunk (`chunk_score`), and the full cache both ways.
+Part 5, SnapKV selecting once (its definition) vs compressing each chunk as it arrives
+(`SnapKV(chunked=True)`): exact-match accuracy on held-out 4-fact demo haystacks.
 
     python benchmarks/long_context.py [--quick] [--out benchmarks/results]
 Writes long_context.json and long_context.png.
@@ -292,6 +294,44 @@ def part4(times: int, chunk: int) -> dict:
             "chunk": chunk, "runs": runs}  # fmt: skip
 
 
+def part5(n: int, chunk: int) -> dict:
+    """SnapKV selecting once after the whole context (its definition) against compressing each
+    `chunk` as it arrives (`SnapKV(chunked=True)`, bounded memory), question-agnostic: the
+    context of a held-out 4-fact, 512-token demo haystack is prefilled and compressed, then the
+    question is appended and the 5-digit answer decoded greedily (exact match), on the same
+    `n` prompts and budgets."""
+    from jkv.demo.haystack import split_examples
+
+    params = jkv.load("demo")
+    examples = split_examples(9000, n, 512, 4)
+    out = {"prompts": n, "chunk": chunk, "facts": 4, "tokens": 512, "rows": []}
+    for ratio in (0.25, 0.5):
+        row = {"kept": ratio}
+        for name, chunked in (("once", False), ("chunked", True)):
+            right = 0
+            for i in range(0, n, 8):
+                part = examples[i : i + 8]
+                state = jkv.prefill(
+                    params,
+                    [c for c, _, _ in part],
+                    kv_policy=jkv.SnapKV(budget=ratio, chunked=chunked),
+                    chunk=chunk,
+                )
+                res = jkv.generate(
+                    params, [q for _, q, _ in part], kv_state=state, max_new_tokens=6
+                )
+                right += sum(
+                    r.text.split()[:5] == a.split() for r, (_, _, a) in zip(res, part, strict=True)
+                )
+            row[name] = right / n
+        out["rows"].append(row)
+        print(
+            f"SnapKV {ratio:.0%} agnostic, {n} prompts: selected once {row['once']:.2f}, "
+            f"chunked ({chunk}-token chunks) {row['chunked']:.2f}"
+        )
+    return out
+
+
 def plot(rows, out: Path) -> None:
     try:
         import matplotlib
@@ -327,7 +367,7 @@ def main(argv=None) -> int:
     )
     p.add_argument("--quick", action="store_true", help="1K-16K only, wall time at 4K")
     p.add_argument("--chunk", type=int, default=PREFILL_CHUNK)
-    p.add_argument("--parts", nargs="+", type=int, default=[1, 2, 3, 4], choices=[1, 2, 3, 4])
+    p.add_argument("--parts", nargs="+", type=int, default=[1, 2, 3, 4, 5], choices=[1, 2, 3, 4, 5])
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = p.parse_args(argv)
     lengths = [1024, 4096, 16384] if args.quick else [1024, 4096, 16384, 65536]
@@ -336,8 +376,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "long_context.json"
     old = json.loads(path.read_text()) if path.exists() else {}
-    keys = ("memory", "ratios", "llama_8b_131k", "wall", "streaming_ppl")
-    rows, r, big, walls, ppl = (old.get(k) for k in keys)
+    keys = ("memory", "ratios", "llama_8b_131k", "wall", "streaming_ppl", "snapkv_chunked")
+    rows, r, big, walls, ppl, snap = (old.get(k) for k in keys)
     if 1 in args.parts:
         rows = part1(lengths, args.chunk)
         r = ratios(rows)
@@ -349,6 +389,8 @@ def main(argv=None) -> int:
         walls = part3(wall, args.chunk)
     if 4 in args.parts:
         ppl = part4(2 if args.quick else 4, 64)
+    if 5 in args.parts:
+        snap = part5(8 if args.quick else 48, 64)
     result = {
         "benchmark": "long_context",
         "python": platform.python_version(),
@@ -360,6 +402,7 @@ def main(argv=None) -> int:
         "llama_8b_131k": big,
         "wall": walls,
         "streaming_ppl": ppl,
+        "snapkv_chunked": snap,
     }
     path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path} (parts {args.parts} measured now; the others kept from the last run)")

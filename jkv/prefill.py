@@ -85,7 +85,9 @@ def step_tokens(prompts, chunk: int, policy) -> int:
     return min(max(chunk, bucket(window)), bucket(max(len(p) for p in prompts)))
 
 
-def prefill_chunked(params, prompts, kv, *, backend, policy, chunk, evict_to=None):
+def prefill_chunked(
+    params, prompts, kv, *, backend, policy, chunk, evict_to=None, budgets_after=None
+):
     """Runs the prompts through the model `chunk` tokens at a time (one compiled step for every
     chunk), each step attending to the cache so far plus itself: attention memory is
     O(chunk x key block), never O(prompt^2).
@@ -94,26 +96,32 @@ def prefill_chunked(params, prompts, kv, *, backend, policy, chunk, evict_to=Non
     every step but the last, the policy evicts each row back to its budget (`KVState.limit`),
     so the cache never holds more than budget + chunk tokens, whatever the prompt's length
     (StreamingLLM keeps its sinks and window as it streams; H2O keeps its heavy hitters by the
-    attention mass accumulated so far). Returns (logits `[B, V]` at each row's last token, the
-    state)."""
+    attention mass accumulated so far). `budgets_after(seen)` ([B] tokens seen so far -> [B]
+    slots each row keeps) replaces the fixed budget for a policy that compresses each chunk as
+    it arrives (`SnapKV(chunked=True)`: its share of the tokens seen, by the chunk's own window).
+    Returns (logits `[B, V]` at each row's last token, the state)."""
     steps = list(chunks(prompts, chunk))
     logits = None
+    seen = np.zeros(len(prompts), np.int64)
     for j, (tokens, n_new) in enumerate(steps):
+        seen += n_new
         tokens, n_new = jnp.asarray(tokens), jnp.asarray(n_new)
         logits, kv = prefill_step(
             params.weights, params.config, tokens, n_new, kv, backend=backend, policy=policy
         )
         if evict_to is not None and j < len(steps) - 1:
+            budgets = kv.limit if budgets_after is None else jnp.asarray(budgets_after(seen))
             kv = compress(
                 params.weights,
                 params.config,
                 kv,
                 tokens,
                 n_new,
-                kv.limit,
+                budgets,
                 policy=policy,
                 capacities=evict_to,
                 backend=backend,
+                keep_scores=True,
             )
     return logits, kv
 
@@ -171,7 +179,7 @@ def prepare(
     tokens, n_new = jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32)
 
     chunk = step_tokens(prompts, chunk, policy if kv_state is None else kv_state.policy)
-    evict_to = None
+    evict_to = budgets_after = None
     if kv_state is not None:
         key = kv_state.policy
         evicting = key is not None and key.evicts
@@ -180,14 +188,24 @@ def prepare(
         key = None if policy is None else policy.jit_key()
         capacity = t if policy is not None else t + headroom(max_new_tokens)
         final = policy.capacities(cfg.num_layers, lengths, max_new_tokens) if policy else ()
-        if policy is not None and policy.evicts and max(final) + chunk < t:
-            capacity = evict_to = tuple(c + chunk for c in final)  # evict as the prompt streams
+        as_it_arrives = policy is not None and (policy.evicts or getattr(policy, "chunked", False))
+        if as_it_arrives and max(final) + chunk < t:  # compress as the prompt streams in
+            capacity = evict_to = tuple(c + chunk for c in final)
+            if not policy.evicts:
+                budgets_after = policy.row_budgets
         limits = None if policy is None else policy.row_limits(lengths)
         kv = empty_state(cfg, len(prompts), capacity, kv_dtype, policy=key, limit=limits)
     if params.mesh is not None:
         kv = shard_kv(kv, params.mesh)
     logits, kv = prefill_chunked(
-        params, prompts, kv, backend=backend, policy=key, chunk=chunk, evict_to=evict_to
+        params,
+        prompts,
+        kv,
+        backend=backend,
+        policy=key,
+        chunk=chunk,
+        evict_to=evict_to,
+        budgets_after=budgets_after,
     )
     budgets = capacities = None
     if kv_state is None and policy is not None:

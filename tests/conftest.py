@@ -46,3 +46,17 @@ def tiny_params(hf_checkpoint):
         return loaded[key]
 
     return load
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drops JAX's compiled programs after each test module. XLA:CPU maps the code of every
+    program it compiles; a worker that keeps thousands of them passes the kernel's limit on
+    memory maps (vm.max_map_count, 65,530 here) and dies in the middle of a compile."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()

@@ -109,9 +109,10 @@ def test_generate_is_the_same_through_chunks():
     assert out.tokens and out.stats["prompt_tokens"] == 600  # through two chunks
 
 
-@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn"])
 def test_chunked_prefill_on_the_pallas_kernels(kv_dtype):
-    """The prefill kernel (interpreted) in every chunk: same logits as the XLA path."""
+    """The prefill kernels (interpreted; fp8, so the quantising append too) in every chunk: same
+    logits as the XLA path."""
     params = jkv.load("demo")
     rng = np.random.default_rng(11)
     prompts = [rng.integers(3, params.config.vocab_size, n).tolist() for n in (70, 33)]
@@ -149,7 +150,7 @@ def _kept_positions(state):
 
 def test_evicting_policies_evict_as_the_prompt_streams_in(monkeypatch):
     """StreamingLLM and H2O with a budget of 40 tokens, chunks of 32: the cache allocates
-    budget + one chunk (64 + 32 slots) for a 150-token and a 900-token prompt alike, where the
+    budget + one chunk (64 + 32 slots) for a 150-token and a 600-token prompt alike, where the
     one-step prefill allocates the prompt's bucket (256, 1024). StreamingLLM keeps exactly its
     sinks and the newest tokens, as the one-step prefill does; H2O keeps its budget, the recent
     window among it."""
@@ -162,7 +163,7 @@ def test_evicting_policies_evict_as_the_prompt_streams_in(monkeypatch):
         return prefill_step(*args, **kw)
 
     rng = np.random.default_rng(9)
-    for n in (150, 900):
+    for n in (150, 600):
         prompt = rng.integers(3, params.config.vocab_size, n).tolist()
         for policy in (jkv.StreamingLLM(budget=40, sink=4), jkv.H2O(budget=40, recent=8)):
             _, one = _prepare(params, [prompt], 4096, policy)
@@ -200,3 +201,31 @@ def test_chunk_score_matches_transformers_and_evicts_to_its_budget(hf_checkpoint
     # chunks are aligned at the end: 120 = 8 + 7 x 16, the first eviction after 56 tokens
     np.testing.assert_allclose(streamed[:55], full[:55], atol=1e-5)
     assert np.abs(streamed[56:] - full[56:]).max() > 1e-3
+
+
+def test_snapkv_chunked_compresses_each_chunk_as_it_arrives(monkeypatch):
+    """SnapKV(budget=40, chunked=True), chunks of 32: the cache holds the final capacity + one
+    chunk while prefilling, for a 300- and a 900-token prompt alike; every row ends with its
+    budget, the last window among it; the default (chunked=False) allocates the prompt's bucket
+    and selects once. The segment rebuild refuses chunked=True."""
+    params = jkv.load("demo")
+    module = importlib.import_module("jkv.prefill")
+    seen = []
+
+    def spy(*args, **kw):
+        seen.append(args[4].layers[0].capacity)
+        return prefill_step(*args, **kw)
+
+    rng = np.random.default_rng(12)
+    for n in (300, 900):
+        prompt = rng.integers(3, params.config.vocab_size, n).tolist()
+        for chunked, during in ((True, {64 + 16 + 32}), (False, {bucket(n)})):
+            seen.clear()
+            with monkeypatch.context() as m:
+                m.setattr(module, "prefill_step", spy)
+                _, state = _prepare(params, [prompt], 32, jkv.SnapKV(budget=40, chunked=chunked))
+            assert set(seen) == during, (chunked, seen)
+            kept = _kept_positions(state)[0]
+            assert len(kept) == 40 and kept[-32:] == list(range(n - 32, n))
+    with pytest.raises(ValueError, match="chunked=True: the segment rebuild runs once"):
+        jkv.SnapKVSegments(budget=40, chunked=True)

@@ -14,7 +14,9 @@ from jkv.policies.efficache import head_sensitivity
 
 # Not donated: the compacted arrays are smaller, so XLA could not reuse the prompt's buffers;
 # the caller drops its reference and they are freed right after.
-@functools.partial(jax.jit, static_argnames=("config", "policy", "capacities", "backend"))
+@functools.partial(
+    jax.jit, static_argnames=("config", "policy", "capacities", "backend", "keep_scores")
+)
 def compress(
     weights,
     config,
@@ -26,6 +28,7 @@ def compress(
     policy,
     capacities: tuple[int, ...],
     backend: str = "xla",
+    keep_scores: bool = False,
 ) -> kvlib.KVState:
     """Keeps each row's budget of its cache and frees the rest.
 
@@ -38,6 +41,8 @@ def compress(
       policy: the `KVPolicy.jit_key()`.
       capacities: slots per layer after compression (`policy.capacities(...)`).
       backend: "xla" (jnp compaction) or a Pallas backend (the `kv_compact` kernel).
+      keep_scores: keep the per-slot score array (more prompt chunks follow, whose votes it
+        receives); otherwise only a policy that accumulates attention mass keeps it.
 
     Returns:
       The compressed state, its `policy` set so decode steps keep applying it.
@@ -64,5 +69,5 @@ def compress(
             new = kvlib.compact(
                 layer, policy.keep(i, layer, ctx), capacities[i], compact_fn=kernels.kv_compact
             )
-        layers.append(new if policy.wants_mass else new.replace(scores=None))
+        layers.append(new if policy.wants_mass or keep_scores else new.replace(scores=None))
     return state.replace(layers=tuple(layers), policy=policy)

@@ -229,6 +229,8 @@ class SnapKVSegments(SnapKV):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.chunked:
+            raise ValueError("chunked=True: the segment rebuild runs once, on the whole prompt")
         for name in ("sink", "anchor_radius", "transition_len"):
             check_int(name, getattr(self, name))
         if self.n_anchors is not None:

@@ -37,7 +37,13 @@ def window_vote(layer, q, n_new, *, window, kernel, pool, score_fn):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SnapKV(KVPolicy):
-    """Per-kv-head top-`budget` by observation-window votes; the window always kept."""
+    """Per-kv-head top-`budget` by observation-window votes; the window always kept.
+
+    `chunked=True` compresses each prefill chunk as it arrives (kvpress calls this chunked
+    compression): after every chunk a row keeps its budget's share of the tokens seen so far,
+    chosen by the votes of that chunk's last `window` queries, so the cache holds budget + one
+    chunk whatever the prompt's length. The default selects once, after the whole prompt, by the
+    prompt's last `window` queries (SnapKV's definition)."""
 
     name: ClassVar[str] = "snapkv"
     observes: ClassVar[bool] = True
@@ -46,10 +52,13 @@ class SnapKV(KVPolicy):
     window: int = 32
     kernel: int = 7
     pool: str = "avg"
+    chunked: bool = False
 
     def __post_init__(self):
         super().__post_init__()
         check_int("window", self.window, 1)
+        if not isinstance(self.chunked, bool):
+            raise ValueError(f"chunked={self.chunked!r} must be True or False")
         check_int("kernel", self.kernel, 1)
         if self.kernel % 2 == 0:
             raise ValueError(f"kernel={self.kernel} must be odd (pooling keeps slots centred)")
