@@ -148,6 +148,20 @@ def _kept_positions(state):
     return [sorted(pos[b, 0, : lengths[b, 0]].tolist()) for b in range(pos.shape[0])]
 
 
+def _capacities_while_prefilling(monkeypatch, params, prompt, policy):
+    """(the cache capacities every prefill step of 32-token chunks saw, the final state)."""
+    seen = []
+
+    def spy(*args, **kw):
+        seen.append(args[4].layers[0].capacity)
+        return prefill_step(*args, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(importlib.import_module("jkv.prefill"), "prefill_step", spy)
+        _, state = _prepare(params, [prompt], 32, policy)
+    return seen, state
+
+
 def test_evicting_policies_evict_as_the_prompt_streams_in(monkeypatch):
     """StreamingLLM and H2O with a budget of 40 tokens, chunks of 32: the cache allocates
     budget + one chunk (64 + 32 slots) for a 150-token and a 600-token prompt alike, where the
@@ -155,22 +169,12 @@ def test_evicting_policies_evict_as_the_prompt_streams_in(monkeypatch):
     sinks and the newest tokens, as the one-step prefill does; H2O keeps its budget, the recent
     window among it."""
     params = jkv.load("demo")
-    module = importlib.import_module("jkv.prefill")
-    seen = []
-
-    def spy(*args, **kw):
-        seen.append(args[4].layers[0].capacity)
-        return prefill_step(*args, **kw)
-
     rng = np.random.default_rng(9)
     for n in (150, 600):
         prompt = rng.integers(3, params.config.vocab_size, n).tolist()
         for policy in (jkv.StreamingLLM(budget=40, sink=4), jkv.H2O(budget=40, recent=8)):
             _, one = _prepare(params, [prompt], 4096, policy)
-            seen.clear()
-            with monkeypatch.context() as m:
-                m.setattr(module, "prefill_step", spy)
-                _, got = _prepare(params, [prompt], 32, policy)
+            seen, got = _capacities_while_prefilling(monkeypatch, params, prompt, policy)
             assert set(seen) == {64 + 32}, seen  # the cache while prefilling, whatever n
             assert got.layers[0].capacity == one.layers[0].capacity == 64  # after
             kept = _kept_positions(got)[0]
@@ -209,21 +213,12 @@ def test_snapkv_chunked_compresses_each_chunk_as_it_arrives(monkeypatch):
     budget, the last window among it; the default (chunked=False) allocates the prompt's bucket
     and selects once. The segment rebuild refuses chunked=True."""
     params = jkv.load("demo")
-    module = importlib.import_module("jkv.prefill")
-    seen = []
-
-    def spy(*args, **kw):
-        seen.append(args[4].layers[0].capacity)
-        return prefill_step(*args, **kw)
-
     rng = np.random.default_rng(12)
     for n in (300, 900):
         prompt = rng.integers(3, params.config.vocab_size, n).tolist()
         for chunked, during in ((True, {64 + 16 + 32}), (False, {bucket(n)})):
-            seen.clear()
-            with monkeypatch.context() as m:
-                m.setattr(module, "prefill_step", spy)
-                _, state = _prepare(params, [prompt], 32, jkv.SnapKV(budget=40, chunked=chunked))
+            policy = jkv.SnapKV(budget=40, chunked=chunked)
+            seen, state = _capacities_while_prefilling(monkeypatch, params, prompt, policy)
             assert set(seen) == during, (chunked, seen)
             kept = _kept_positions(state)[0]
             assert len(kept) == 40 and kept[-32:] == list(range(n - 32, n))
