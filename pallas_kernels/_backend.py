@@ -128,9 +128,22 @@ def f32_to_fp8_bits(y):
     return (code | sign).astype(jnp.uint8)
 
 
+# On an H200 (jax 0.11.2) decode attention over an FP8 K of 2**32 elements hit an illegal memory
+# access, while 2**31 FP8 elements and 2**32 bfloat16 ones ran (benchmarks/gpu_probe_large.py,
+# 2026-11-30; the bitcast alone ran too): the kernels refuse such arrays instead.
+MAX_FP8_ELEMENTS = 2**32 - 1
+
+
 def to_bits(x):
     """FP8 arrays travel as uint8 (a free bitcast); others unchanged."""
-    return lax.bitcast_convert_type(x, jnp.uint8) if x.dtype == FP8 else x
+    if x.dtype != FP8:
+        return x
+    if x.size > MAX_FP8_ELEMENTS:
+        raise ValueError(
+            f"float8_e4m3fn array of shape {x.shape} ({x.size} elements): the kernels take FP8 "
+            f"arrays of at most 2**32 - 1 elements (larger ones crashed on a GPU); split the batch"
+        )
+    return lax.bitcast_convert_type(x, jnp.uint8)
 
 
 def from_bits(x, dtype):

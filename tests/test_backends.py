@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -81,7 +82,10 @@ def test_gpu_check_cpu_mode(tmp_path):
         cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert (tmp_path / "gpu_check_cpu.json").is_file()
+    checks = json.loads((tmp_path / "gpu_check_cpu.json").read_text())["checks"]
+    names = {c["name"] for c in checks}
+    assert {"prefill_fp8_rope_window", "prefill_mass_bf16_keep", "paged_decode_fp8"} <= names
+    assert all(c["ok"] for c in checks) and len(checks) == 22
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral"])

@@ -255,3 +255,22 @@ def test_lowers_to_triton(config, lower_for_cuda):
         opts["sliding_window"] = 4096
     fn = functools.partial(decode_attention, interpret=False, **opts)
     lower_for_cuda(fn, *args, **kw)
+
+
+def test_refuses_fp8_caches_past_what_ran_on_a_gpu():
+    """An FP8 K of 2**32 elements crashed decode attention on an H200 (illegal address); the
+    kernels refuse it with a clear error instead. Shapes only: nothing is allocated."""
+    spec = jax.ShapeDtypeStruct
+    b, kh, g, h = 32, 8, 4, 128
+
+    def trace(s):
+        q = spec((b, kh * g, h), jnp.bfloat16)
+        k = spec((b, kh, s, h), jnp.float8_e4m3fn)
+        sc = spec((b, kh, s), jnp.float32)
+        f = functools.partial(decode_attention, backend="triton", interpret=False)
+        return jax.eval_shape(lambda *a: f(*a[:4], k_scale=a[4], v_scale=a[5]),
+                              q, k, k, spec((b, kh), jnp.int32), sc, sc)  # fmt: skip
+
+    assert trace(131072 - 8).shape == (b, kh * g, h)  # just under 2**32 elements: accepted
+    with pytest.raises(ValueError, match=r"float8_e4m3fn array of shape \(32, 8, 131072, 128\)"):
+        trace(131072)
