@@ -36,6 +36,7 @@ import jkv_kernels as pk
 
 FP8 = jnp.float8_e4m3fn
 L2_BYTES = 256 << 20  # rotate inputs until at least this much is cycled through
+DECODE_S, DECODE_B = (1024, 8192, 32768, 131072), (1, 8, 32)
 PREFILL_SHAPE, PREFILL_S, PREFILL_B = (8, 4, 128, 512), (4096, 32768), (1, 4)  # K, G, H, T
 PAGED_SHAPE, PAGED_S, PAGED_B = (8, 4, 128, 16), (8192, 32768), (8, 32)  # K, G, H, page
 
@@ -92,8 +93,9 @@ def check_decode(rng, interpret, dims, dtype, variant):
     lse = "lse" in variant
     if "bias" in variant:  # the segment rebuild's log-count logit bias per slot
         kw.update(slot_bias=np.log(rng.integers(1, 4, (b, kh, s))).astype(np.float32))
+    native = dict(fp8_native=True) if "native" in variant else {}
     got = pk.decode_attention(
-        q, k, v, lengths, **kw, return_mass=mass, return_lse=lse, interpret=interpret
+        q, k, v, lengths, **kw, **native, return_mass=mass, return_lse=lse, interpret=interpret
     )
     want = pk.decode_attention_reference(q, k, v, lengths, **kw, return_mass=mass, return_lse=lse)
     got, want = (got, want) if mass or lse else ((got,), (want,))
@@ -352,6 +354,16 @@ def run_checks(interpret: bool, seed: int, only=()) -> list[dict]:
             lambda: check_decode(rng, interpret, dims, "fp8", "bias_lse"),
             bf16_tol,
         ),
+        (
+            "decode_fp8_native",
+            lambda: check_decode(rng, interpret, dims, "fp8", "native"),
+            bf16_tol,
+        ),
+        (
+            "decode_fp8_native_rope_window_mass",
+            lambda: check_decode(rng, interpret, dims, "fp8", "native_rope_window_mass"),
+            bf16_tol,
+        ),
         ("lowrank_attention_bf16", lambda: check_lowrank(rng, interpret, dims), bf16_tol),
         ("segment_merge_fp8", lambda: check_merge(rng, interpret, dims), 1e-2),
         ("quantize", lambda: check_quantize(rng, interpret, dims), 1e-3),
@@ -469,6 +481,10 @@ def decode_impls(b, kh, s, h, g, dtype):
             f"xla_{tag}", lambda *a: pk.decode_attention_reference(*a[:4], **a[4])
         ),
     }
+    if dtype == "fp8":  # float8 loads converted by the compiler instead of decoding the bits
+        impls["pallas_native"] = named_jit(
+            f"native_{tag}", lambda *a: pk.decode_attention(*a[:4], **a[4], fp8_native=True)
+        )
     if dtype == "bf16":
         try:
             from jax.experimental.pallas.ops.gpu import decode_attention as jax_ops
@@ -504,8 +520,8 @@ def time_decode(budget_end, trace_root: Path, save) -> list[dict]:
     dev = jax.devices()[0]
     limit = (dev.memory_stats() or {}).get("bytes_limit", 80 << 30)
     rows = []
-    for s in (1024, 8192, 32768, 131072):
-        for b in (1, 8, 32):
+    for s in DECODE_S:
+        for b in DECODE_B:
             for dtype in ("bf16", "fp8"):  # interleaved: a spent budget still leaves both
                 row = dict(dtype=dtype, B=b, S=s, K=kh, G=g, H=h)
                 itemsize = 2 if dtype == "bf16" else 1
@@ -681,9 +697,11 @@ def print_summary(report):
     """The short tables last (a remote run's reply carries the end of the output)."""
     rows = [r for r in report.get("decode") or [] if isinstance(r, dict) and "skipped" not in r]
     if rows:
-        print("decode GB/s (device time): dtype B S | pallas xla_reference jax_gqa | pallas/copy")
+        print("decode GB/s (device time): dtype B S | pallas pallas_native xla_reference jax_gqa |"
+              " pallas/copy")  # fmt: skip
         for r in rows:
-            cols = [r.get(f"{n}_GBps", "-") for n in ("pallas", "xla_reference", "jax_gqa")]
+            names = ("pallas", "pallas_native", "xla_reference", "jax_gqa")
+            cols = [r.get(f"{n}_GBps", "-") for n in names]
             print(f"  {r['dtype']} {r['B']} {r['S']} | {cols} | {r.get('pallas_vs_copy', '-')}")
     for r in report.get("prefill") or []:
         cols = {n: r.get(f"{n}_TFLOPs", r.get(f"{n}_error", "-")) for n in
@@ -706,9 +724,13 @@ def main(argv=None) -> int:
         "--timing", nargs="*", default=["decode", "prefill", "paged"],
         choices=["decode", "prefill", "paged"], help="which timings to run on a GPU",
     )  # fmt: skip
+    ap.add_argument("--decode-s", type=int, nargs="*", help="decode timing: these S only")
+    ap.add_argument("--decode-b", type=int, nargs="*", help="decode timing: these B only")
     ap.add_argument("--checks", nargs="*", default=[], help="only checks naming one of these")
     ap.add_argument("--seed", type=int, default=int(time.time()) % (2**31))
     args = ap.parse_args(argv)
+    global DECODE_S, DECODE_B
+    DECODE_S, DECODE_B = args.decode_s or DECODE_S, args.decode_b or DECODE_B
     start = time.monotonic()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

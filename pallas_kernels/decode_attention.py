@@ -60,10 +60,11 @@ def decode_attention_kernel(
     window: int | None,
     mass: bool,
     bias: bool = False,
+    fp8_native: bool = False,
 ):
     refs = list(refs)
     q_ref = refs.pop(0)  # [Gp, H] the G query heads of one kv head; rows >= G are padding
-    k_ref = refs.pop(0)  # [S, H] keys of one (row, kv head); uint8 bits when FP8
+    k_ref = refs.pop(0)  # [S, H] keys of one (row, kv head); FP8: uint8 bits unless fp8_native
     v_ref = refs.pop(0)  # [S, H] values, same storage
     len_ref = refs.pop(0)  # [] valid length of this (row, kv head)
     ks_ref = refs.pop(0) if fp8 else None  # [S] key scales
@@ -92,18 +93,15 @@ def decode_attention_kernel(
         hp = max(hh, bk.MIN_DOT)
         col_ok = jnp.arange(hp) < hh
 
-        def load_half(ref, row_start, n, row_mask, offset):
+        def load_half(ref, row_start, n, row_mask, offset, load=None):
             """[n, hp] columns offset..offset+H/2 of rows row_start.. (zero past H/2)."""
+            load = load or (lambda at, mask: bk.load(at, mask=mask, other=0))
             if hp == hh:
-                return bk.load(
-                    ref.at[pl.ds(row_start, n), pl.ds(offset, hh)], mask=row_mask[:, None], other=0
-                )
+                return load(ref.at[pl.ds(row_start, n), pl.ds(offset, hh)], row_mask[:, None])
             # H = 16: a half is narrower than a dot allows; gather it zero-padded to 16 columns.
             rows_i = (row_start + jnp.arange(n))[:, None]
             cols_i = (offset + jnp.arange(hp))[None, :]
-            return bk.load(
-                ref.at[rows_i, cols_i], mask=row_mask[:, None] & col_ok[None, :], other=0
-            )
+            return load(ref.at[rows_i, cols_i], row_mask[:, None] & col_ok[None, :])
 
         q1 = load_half(q_ref, 0, gp, row_ok, 0).astype(compute_dtype)
         q2 = load_half(q_ref, 0, gp, row_ok, hh).astype(compute_dtype)
@@ -114,7 +112,15 @@ def decode_attention_kernel(
     else:
         q = bk.load(q_ref, mask=row_ok[:, None], other=0).astype(compute_dtype)
 
-    decode = functools.partial(bk.to_f32, fp8=fp8)
+    # fp8_native: the FP8 block is loaded as float8_e4m3fn and converted by the compiler (a
+    # hardware conversion on Hopper); otherwise its uint8 bits are decoded arithmetically.
+    decode = functools.partial(bk.to_f32, fp8=fp8 and not fp8_native)
+
+    def load_kv(at, mask):
+        """A K or V block as float32, masked-off elements 0."""
+        if fp8_native:  # Triton cannot fill a masked float8 load with a constant: select after
+            return jnp.where(mask, bk.load(at, mask=mask).astype(jnp.float32), 0.0)
+        return decode(bk.load(at, mask=mask, other=0))
 
     def body(i, carry):
         s0 = lo + i * block_s
@@ -123,15 +129,15 @@ def decode_attention_kernel(
         rows = pl.ds(s0, block_s)
         pos = bk.load(pos_ref.at[rows], mask=valid, other=0) if pos_ref is not None else None
         if rope:
-            k1 = decode(load_half(k_ref, s0, block_s, valid, 0))
-            k2 = decode(load_half(k_ref, s0, block_s, valid, hh))
+            k1 = load_half(k_ref, s0, block_s, valid, 0, load_kv)
+            k2 = load_half(k_ref, s0, block_s, valid, hh, load_kv)
             ang = pos.astype(jnp.float32)[:, None] * inv[None, :]  # [bs, hp]
             cos, sin = jnp.cos(ang), jnp.sin(ang)
             r1 = (k1 * cos - k2 * sin).astype(compute_dtype)
             r2 = (k2 * cos + k1 * sin).astype(compute_dtype)
             z = bk.dot(q1, r1, trans_b=True) + bk.dot(q2, r2, trans_b=True)  # [Gp, bs]
         else:
-            kb = decode(bk.load(k_ref.at[rows, :], mask=valid[:, None], other=0))
+            kb = load_kv(k_ref.at[rows, :], valid[:, None])
             z = bk.dot(q, kb.astype(compute_dtype), trans_b=True)  # [Gp, bs]
         if fp8:
             z = z * bk.load(ks_ref.at[rows], mask=valid, other=0).astype(jnp.float32)[None, :]
@@ -146,7 +152,7 @@ def decode_attention_kernel(
         vs = None
         if fp8:
             vs = bk.load(vs_ref.at[rows], mask=valid, other=0).astype(jnp.float32)
-        vb = decode(bk.load(v_ref.at[rows, :], mask=valid[:, None], other=0))
+        vb = load_kv(v_ref.at[rows, :], valid[:, None])
         return bk.softmax_update(carry, z, vb, compute_dtype, vs)
 
     o, m, lsum = jax.lax.fori_loop(0, n_blocks, body, bk.softmax_start(gp, h))
@@ -258,6 +264,7 @@ def combine_splits(o, m, lsum, z, lengths):
         "num_splits",
         "num_warps",
         "num_stages",
+        "fp8_native",
         "backend",
         "interpret",
     ),
@@ -282,6 +289,7 @@ def decode_attention(
     num_splits: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    fp8_native: bool = False,
     backend: str = "triton",
     interpret: bool | None = None,
 ):
@@ -306,6 +314,8 @@ def decode_attention(
       block_s: slots per inner step (power of two >= 16).
       num_splits: S ranges processed in parallel; None picks enough to fill the GPU.
       num_warps, num_stages: Triton compiler parameters.
+      fp8_native: load FP8 storage as float8_e4m3fn and let the compiler convert it (hardware
+        conversion on Hopper) instead of decoding its uint8 bits arithmetically.
       backend: "triton" (the only one so far).
       interpret: run the kernel in the Pallas interpreter; None means "on CPU".
 
@@ -346,7 +356,8 @@ def decode_attention(
     num_splits = bk.cdiv(s, split_s)  # no empty programs
 
     lengths = jnp.clip(lengths.astype(jnp.int32), 0, s)
-    args = [q.reshape(b, kh, g, h), bk.to_bits(k), bk.to_bits(v), lengths]
+    kv = (k, v) if fp8_native else (bk.to_bits(k), bk.to_bits(v))
+    args = [q.reshape(b, kh, g, h), *kv, lengths]
     per_kv = lambda *blk: pl.BlockSpec((None, None, *blk), lambda i, j, _: (i, j) + (0,) * len(blk))
     in_specs = [
         per_kv(gp, h),  # q: the G heads of kv head j, rows padded to gp (masked loads)
@@ -385,6 +396,7 @@ def decode_attention(
         window=sliding_window,
         mass=return_mass,
         bias=slot_bias is not None,
+        fp8_native=fp8_native,
     )
     outs = pl.pallas_call(
         kernel,

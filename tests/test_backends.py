@@ -85,7 +85,7 @@ def test_gpu_check_cpu_mode(tmp_path):
     checks = json.loads((tmp_path / "gpu_check_cpu.json").read_text())["checks"]
     names = {c["name"] for c in checks}
     assert {"prefill_fp8_rope_window", "prefill_mass_bf16_keep", "paged_decode_fp8"} <= names
-    assert all(c["ok"] for c in checks) and len(checks) == 22
+    assert all(c["ok"] for c in checks) and len(checks) == 24
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral"])

@@ -131,8 +131,10 @@ def test_sliding_window(rng, rel_err, ragged_lengths, poison_past):
     assert rel_err(decode_attention_reference(*args), ref) > 1e-3  # the window masks something
 
 
-def test_everything_at_once_fp8(rng, rel_err, ragged_lengths, poison_past, record_property):
-    """FP8 storage + RoPE on read + sliding window + mass: the H2O/StreamingLLM decode path."""
+@pytest.mark.parametrize("native", [False, True], ids=["fp8_bits", "fp8_native"])
+def test_everything_at_once_fp8(native, rng, rel_err, ragged_lengths, poison_past, record_property):
+    """FP8 storage + RoPE on read + sliding window + mass: the H2O/StreamingLLM decode path,
+    with FP8 decoded from its bits or loaded as float8 (fp8_native)."""
     x = make_inputs(rng, 3, 100, 4, 64, "fp8", ragged_lengths, poison_past)
     args = (x["q"], x["k"], x["v"], x["lengths"])
     q_pos = x["positions"].max(axis=(1, 2))
@@ -142,7 +144,9 @@ def test_everything_at_once_fp8(rng, rel_err, ragged_lengths, poison_past, recor
         sliding_window=150,
         rope_inv_freq=rope_freqs(64),
     )
-    out, mass = decode_attention(*args, **x["scales"], **kw, return_mass=True, interpret=True)
+    out, mass = decode_attention(
+        *args, **x["scales"], **kw, return_mass=True, fp8_native=native, interpret=True
+    )
     ref, ref_mass = decode_attention_reference(*args, **x["scales"], **kw, return_mass=True)
     assert rel_err(out, ref) <= 1e-5 and rel_err(mass, ref_mass) <= 1e-5
     exact = decode_attention_reference(x["q"], x["exact"]["k"], x["exact"]["v"], x["lengths"], **kw)
@@ -237,6 +241,8 @@ LOWERINGS = {
     "fp8_rope_window_mass": dict(rope=True, window=True, return_mass=True),
     "bf16_bias_lse": dict(bias=True, return_lse=True),
     "fp8_bias_lse_mass_window": dict(bias=True, window=True, return_lse=True, return_mass=True),
+    "fp8_native": dict(fp8_native=True),
+    "fp8_native_rope_window_mass": dict(rope=True, window=True, return_mass=True, fp8_native=True),
 }
 
 
