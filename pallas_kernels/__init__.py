@@ -8,6 +8,7 @@ The KV cache is K, V [B, K, S, H] with valid lengths [B, K] (slots 0..len-1 are 
 This package never imports `jkv` or `models`: every kernel is usable and testable alone.
 """
 
+from jkv_kernels._backend import scatter_set
 from jkv_kernels.decode_attention import decode_attention, decode_attention_reference
 from jkv_kernels.kv_compact import (
     Compacted,
@@ -47,6 +48,7 @@ from jkv_kernels.segment_merge import Merged, segment_merge, segment_merge_refer
 from jkv_kernels.window_scores import window_scores, window_scores_reference
 
 __all__ = [
+    "scatter_set",
     "gather_pages",
     "paged_decode_attention",
     "paged_decode_attention_reference",

@@ -134,6 +134,32 @@ def f32_to_fp8_bits(y):
 MAX_FP8_ELEMENTS = 2**32 - 1
 
 
+def scatter_set(buf, index, values):
+    """`buf.at[index].set(values, mode="drop")` with float storage of 8 or 16 bits moved as its
+    bits: XLA:CPU otherwise widens the whole buffer to float32 around a float scatter (a full
+    float32 copy of the cache for a write of a few tokens)."""
+    values = values.astype(buf.dtype)
+    if not jnp.issubdtype(buf.dtype, jnp.floating) or buf.dtype.itemsize > 2:
+        return buf.at[index].set(values, mode="drop")
+    bits = jnp.uint8 if buf.dtype.itemsize == 1 else jnp.uint16
+    out = (
+        lax.bitcast_convert_type(buf, bits)
+        .at[index]
+        .set(lax.bitcast_convert_type(values, bits), mode="drop")
+    )
+    return lax.bitcast_convert_type(out, buf.dtype)
+
+
+def bits_slice(x, start, n, *, axis):
+    """`lax.dynamic_slice_in_dim` with 8- and 16-bit floats sliced as their bits: sliced as
+    floats, XLA:CPU widens (and hoists out of a loop) the whole buffer to float32 first."""
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize > 2:
+        return lax.dynamic_slice_in_dim(x, start, n, axis=axis)
+    bits = jnp.uint8 if x.dtype.itemsize == 1 else jnp.uint16
+    part = lax.dynamic_slice_in_dim(lax.bitcast_convert_type(x, bits), start, n, axis=axis)
+    return lax.bitcast_convert_type(part, x.dtype)
+
+
 def to_bits(x):
     """FP8 arrays travel as uint8 (a free bitcast); others unchanged."""
     if x.dtype != FP8:

@@ -268,5 +268,5 @@ def quantize_append_reference(cache, cache_scale, new, start, n_new=None):
         slots = jnp.where(offs < n_new[:, None, None], slots, s)
     bi = jnp.arange(b)[:, None, None]
     ki = jnp.arange(kh)[None, :, None]
-    cache = cache.at[bi, ki, slots].set(values, mode="drop")
-    return cache, cache_scale.at[bi, ki, slots].set(scales, mode="drop")
+    cache = bk.scatter_set(cache, (bi, ki, slots), values)
+    return cache, bk.scatter_set(cache_scale, (bi, ki, slots), scales)

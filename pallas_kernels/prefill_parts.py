@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
 from jkv_kernels import _backend as bk
@@ -250,7 +249,7 @@ def slots_jnp(
 
     Dead slots (past the length, dropped, or before `first`) have keys, values and bias 0.
     """
-    take = lambda x: lax.dynamic_slice_in_dim(x, start, n, axis=2)
+    take = lambda x: bk.bits_slice(x, start, n, axis=2)
     slots = start + jnp.arange(n)
     live = (slots >= first) & (slots < lengths[..., None])  # [B, K, n]
     if keep_mask is not None:
