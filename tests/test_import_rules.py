@@ -110,6 +110,8 @@ RULES = [
     ("pallas_kernels", {"jkv", "jkv_models", "models"}),  # a kernel is usable alone
     ("models", {"jkv", "jkv_kernels", "pallas_kernels"}),  # a model knows nothing of serving
     ("jkv/response_cache", {"jax", "jaxlib", "flax"}),  # plain Python around bytes and strings
+    # the engine's bookkeeping is plain Python on ints; arrays appear only in its runner
+    ("jkv/engine", {"jax", "jaxlib", "flax", "numpy"}),
 ]
 
 
@@ -159,6 +161,11 @@ LAYERS = {
         "jkv.request",
         "jkv.kv",
     ],
+    # the one-shot path and the engine share core.step; neither runs through the other
+    "jkv.generate": ["jkv.engine"],
+    "jkv.prefill": ["jkv.engine"],
+    "jkv.decode": ["jkv.engine"],
+    "jkv.engine": ["jkv.generate", "jkv.cli", "jkv.response_cache"],
 }
 
 

@@ -1,0 +1,275 @@
+"""Continuous batching over the page pool: which tokens of which sequences run in the next model
+step, and who gives their pages back. Plain Python on ints (vLLM v1's scheduler, nano-vllm's).
+
+Each step has a token budget. Running sequences go first, oldest first (a decoding sequence
+needs one token; one still prefilling its next chunk), then waiting ones in arrival order
+(preempted ones at the front), each new admission taking its prompt's cached prefix from the
+pool and then a chunk of at most `chunk` tokens. When a running sequence cannot get the pages
+for its tokens, the newest running sequence is preempted: its pages go back and it waits to be
+recomputed. A request that could never fit in the pool is refused when it is added.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import deque
+
+from jkv.engine.page_pool import OutOfPages, PagePool, block_hashes
+from jkv.engine.sequence import Sequence, Status
+
+
+@dataclasses.dataclass
+class Scheduled:
+    """One sequence's share of a step: tokens `start .. start + n` of `seq.tokens` are computed;
+    `samples` when they reach the end of its known tokens (the step's logits give the next one)."""
+
+    seq: Sequence
+    start: int
+    n: int
+
+    @property
+    def samples(self) -> bool:
+        return self.start + self.n == self.seq.num_tokens
+
+
+@dataclasses.dataclass
+class StepPlan:
+    scheduled: list[Scheduled]
+    preempted: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.n for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        pool: PagePool,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        token_budget: int = 512,
+        chunk: int = 512,
+        max_running: int = 64,
+    ):
+        if pool.group_size != num_layers * num_kv_heads:
+            raise ValueError(
+                f"pool.group_size={pool.group_size}: expected num_layers * num_kv_heads = "
+                f"{num_layers * num_kv_heads}"
+            )
+        for name, value in (("token_budget", token_budget), ("chunk", chunk),
+                            ("max_running", max_running)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r}: expected an int >= 1")
+        self.pool = pool
+        self.heads = num_layers * num_kv_heads
+        self.token_budget, self.chunk, self.max_running = token_budget, chunk, max_running
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.by_id: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ requests
+
+    def pages_for(self, tokens: int) -> int:
+        """Pages one uncompressed sequence of `tokens` tokens holds, all heads together."""
+        return -(-tokens // self.pool.page_size) * self.heads
+
+    def add(self, seq: Sequence) -> None:
+        """Queues a request. Raises ValueError if its id is taken or if its prompt plus
+        max_tokens could never fit in the pool, even alone."""
+        if seq.request_id in self.by_id:
+            raise ValueError(f"request_id={seq.request_id!r} is already in the engine")
+        if not seq.prompt:
+            raise ValueError("the prompt is empty: expected at least one token")
+        need = self.pages_for(len(seq.prompt) + seq.max_tokens)
+        if need > self.pool.usable:
+            raise ValueError(
+                f"a prompt of {len(seq.prompt)} tokens plus max_tokens={seq.max_tokens} needs "
+                f"{need} pages ({self.heads} per {self.pool.page_size} tokens), more than the "
+                f"pool's {self.pool.usable}; shorten it or give the engine more pages"
+            )
+        seq.arrival = next(self._arrivals)
+        seq.heads = [[] for _ in range(self.heads)]
+        seq.held = [0] * self.heads
+        self.by_id[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Stops a request wherever it is; its pages go back. None if it is not here."""
+        seq = self.by_id.pop(request_id, None)
+        if seq is None:
+            return None
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._free(seq)
+        seq.status, seq.finish_reason = Status.FINISHED, "abort"
+        return seq
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ pages
+
+    def _grow(self, seq: Sequence, n: int) -> bool:
+        """Gives every head of `seq` room for `n` more tokens; False (taking nothing) if the
+        pool cannot."""
+        page = self.pool.page_size
+        need = [
+            max(0, -(-(held + n) // page) - len(t))
+            for held, t in zip(seq.held, seq.heads, strict=True)
+        ]
+        try:
+            pages = self.pool.allocate(sum(need))
+        except OutOfPages:
+            return False
+        it = iter(pages)
+        for table, k in zip(seq.heads, need, strict=True):
+            table.extend(next(it) for _ in range(k))
+        return True
+
+    def _free(self, seq: Sequence) -> None:
+        # Last block first: a prompt's last block reaches the LRU queue first, so it is evicted
+        # before the blocks it depends on (vLLM frees in reverse order too).
+        longest = max((len(t) for t in seq.heads), default=0)
+        self.pool.release([t[j] for j in reversed(range(longest)) for t in seq.heads if j < len(t)])
+        seq.heads = [[] for _ in range(self.heads)]
+        seq.held = [0] * self.heads
+        seq.num_computed = seq.num_cached = seq.shared_blocks = seq.published = 0
+        seq.compressed = False  # recomputed from its tokens, it is compressed again
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._free(seq)
+        seq.status = Status.WAITING
+        seq.preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _take_prefix(self, seq: Sequence) -> None:
+        """Starts an admission from the longest cached prefix of the prompt (never the whole
+        prompt: its last token must run to give the first logits)."""
+        page = self.pool.page_size
+        if not seq.cacheable:
+            return
+        hashes = block_hashes(seq.prompt[: len(seq.prompt) - 1], page, seq.extra_keys)
+        groups = self.pool.lookup(hashes)
+        for group in groups:
+            for table, p in zip(seq.heads, group, strict=True):
+                table.append(p)
+        seq.shared_blocks = seq.published = len(groups)
+        seq.num_computed = seq.num_cached = len(groups) * page
+        seq.held = [seq.num_computed] * self.heads
+
+    # ------------------------------------------------------------------ steps
+
+    def schedule(self) -> StepPlan:
+        """The next step: running sequences first, then admissions, within the token budget."""
+        budget = self.token_budget
+        out: list[Scheduled] = []
+        preempted: list[Sequence] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.to_compute, budget, self.chunk)
+            while not self._grow(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not Status.RUNNING:
+                break  # it preempted itself: everything after it is gone too
+            out.append(Scheduled(seq, seq.num_computed, n))
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            if preempted and seq in preempted:
+                break  # freed this very step for lack of pages: not back before the next one
+            self._take_prefix(seq)
+            n = min(seq.to_compute, budget, self.chunk)
+            new_pages = self.pages_for(seq.num_computed + n) - self.pages_for(seq.num_computed)
+            if not self.pool.can_admit(new_pages) or not self._grow(seq, n):
+                self._free(seq)  # gives the prefix back; the next step tries again
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            out.append(Scheduled(seq, seq.num_computed, n))
+            budget -= n
+        return StepPlan(out, preempted)
+
+    def finish_step(self, plan: StepPlan, sampled: dict[str, int]) -> list[Sequence]:
+        """Records a step the model ran: the scheduled tokens are in the pages, and each
+        sequence that sampled got `sampled[request_id]`. Returns the sequences that finished
+        (their pages are back in the pool)."""
+        done = []
+        for s in plan.scheduled:
+            seq = s.seq
+            if seq.status is not Status.RUNNING:
+                continue  # aborted since the plan was made
+            seq.num_computed += s.n
+            seq.held = [h + s.n for h in seq.held]
+            self._publish(seq)
+            if not s.samples:
+                continue
+            tok = sampled[seq.request_id]
+            seq.output.append(tok)
+            if tok in seq.eos_ids:
+                seq.finish_reason = "stop"
+            elif len(seq.output) >= seq.max_tokens:
+                seq.finish_reason = "length"
+            if seq.finish_reason:
+                self.finish(seq)
+                done.append(seq)
+        return done
+
+    def finish(self, seq: Sequence, reason: str | None = None) -> None:
+        """Ends a running sequence (a stop string found by the caller, say)."""
+        seq.finish_reason = reason or seq.finish_reason
+        self.running.remove(seq)
+        self.by_id.pop(seq.request_id, None)
+        self._free(seq)
+        seq.status = Status.FINISHED
+
+    def _publish(self, seq: Sequence) -> None:
+        """Caches the prompt's full blocks computed so far (uncompressed sequences only)."""
+        if not seq.cacheable or seq.compressed:
+            return
+        page = self.pool.page_size
+        full = min(seq.num_computed, len(seq.prompt)) // page
+        if full <= seq.published:
+            return
+        hashes = block_hashes(seq.prompt[: full * page], page, seq.extra_keys)
+        for j in range(seq.published, full):
+            self.pool.publish(hashes[j], [table[j] for table in seq.heads])
+        seq.published = full
+
+    def compress(self, seq: Sequence, kept: list[int]) -> list[tuple[list[int], list[int]]]:
+        """A KV policy kept `kept[h]` tokens of head h: each head gets fresh pages for them
+        (copy on write: its old pages may be shared with the prefix cache), the old ones go
+        back. Returns (old table, new table) per head for the runner to copy the kept tokens.
+        Raises OutOfPages, changing nothing, if the pool cannot hold the new pages."""
+        if len(kept) != self.heads or any(
+            not 0 <= k <= h for k, h in zip(kept, seq.held, strict=False)
+        ):
+            raise ValueError(f"kept={kept}: expected {self.heads} counts, each <= held")
+        page = self.pool.page_size
+        need = [-(-k // page) for k in kept]
+        fresh = iter(self.pool.allocate(sum(need)))
+        moves = []
+        for h, k in enumerate(need):
+            new = [next(fresh) for _ in range(k)]
+            moves.append((seq.heads[h], new))
+            seq.heads[h] = new
+        self.pool.release([p for old, _ in moves for p in old])
+        seq.held = list(kept)
+        seq.compressed, seq.shared_blocks = True, 0
+        return moves

@@ -1,0 +1,222 @@
+"""The scheduler against a fake device that writes token ids into pages: every head of every
+running sequence must read back exactly its computed tokens through its page table, no step may
+write into a page someone else holds, and the pool must return to empty."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from jkv.engine.page_pool import PagePool
+from jkv.engine.scheduler import Scheduler
+from jkv.engine.sequence import Sequence, Status
+
+LAYERS, KV_HEADS = 2, 2
+GROUP = LAYERS * KV_HEADS
+
+
+class FakeDevice:
+    """Pages as lists of (head, token id); the 'model' samples (sum of the last 3 tokens) %
+    vocab. Writing the head index too makes a page read by the wrong head show."""
+
+    def __init__(self, pool: PagePool, vocab: int = 50):
+        self.pool, self.vocab = pool, vocab
+        self.pages = {p: [None] * pool.page_size for p in range(pool.num_pages)}
+
+    def run(self, plan) -> dict[str, int]:
+        ps = self.pool.page_size
+        for s in plan.scheduled:
+            seq = s.seq
+            for head, (table, held) in enumerate(zip(seq.heads, seq.held, strict=True)):
+                for i in range(s.n):
+                    slot = held + i
+                    page = table[slot // ps]
+                    assert self.pool.refs[page] == 1, f"write into shared page {page}"
+                    assert not self.pool.is_cached(page) or seq.compressed is False
+                    self.pages[page][slot % ps] = (head, seq.tokens[s.start + i])
+        return {
+            s.seq.request_id: sum(s.seq.tokens[-3:]) % self.vocab
+            for s in plan.scheduled
+            if s.samples
+        }
+
+    def read(self, seq: Sequence, head: int) -> list:
+        """The token ids head `head` of `seq` reads through its table (None: another head's)."""
+        ps = self.pool.page_size
+        table = seq.heads[head]
+        cells = [self.pages[table[i // ps]][i % ps] for i in range(seq.held[head])]
+        return [c[1] if c is not None and c[0] == head else None for c in cells]
+
+
+def make(pages=200, page_size=4, **kw):
+    pool = PagePool(pages, page_size, GROUP, **{k: kw.pop(k) for k in list(kw) if k in (
+        "recycle", "recycle_below", "admission_headroom")})  # fmt: skip
+    return pool, Scheduler(pool, num_layers=LAYERS, num_kv_heads=KV_HEADS, **kw), FakeDevice(pool)
+
+
+def seq(rid, prompt, max_tokens=5, **kw):
+    return Sequence(rid, list(prompt), max_tokens, arrival=0, **kw)
+
+
+def run_all(sched, dev, max_steps=10_000, on_step=None):
+    finished, steps = [], 0
+    while sched.has_work:
+        plan = sched.schedule()
+        assert plan.num_tokens <= sched.token_budget
+        finished += sched.finish_step(plan, dev.run(plan))
+        for s in sched.running:  # every head reads back exactly its computed tokens
+            for h in range(GROUP):
+                assert dev.read(s, h) == s.tokens[: s.num_computed]
+        sched.pool.check()
+        if on_step:
+            on_step(plan)
+        steps += 1
+        assert steps < max_steps, "no progress"
+    return finished, steps
+
+
+def test_one_request_prefills_in_chunks_then_decodes():
+    pool, sched, dev = make(token_budget=16, chunk=8)
+    sched.add(seq("a", range(1, 21), max_tokens=4))
+    sizes = []
+    finished, _ = run_all(sched, dev, on_step=lambda p: sizes.append([s.n for s in p.scheduled]))
+    assert sizes == [[8], [8], [4], [1], [1], [1]]  # 20 prompt tokens, then 3 more decodes
+    (a,) = finished
+    assert len(a.output) == 4 and a.finish_reason == "length" and a.status is Status.FINISHED
+    assert pool.used_pages == 0
+
+
+def test_decodes_go_first_and_a_long_prompt_never_stalls_them():
+    pool, sched, dev = make(token_budget=8, chunk=8)
+    sched.add(seq("short", [1, 2, 3], max_tokens=30))
+    sched.add(seq("long", range(1, 101), max_tokens=2))
+    seen = []
+    run_all(sched, dev, on_step=lambda p: seen.append({s.seq.request_id: s.n for s in p.scheduled}))
+    decoding = [s for s in seen if s.get("short") == 1]
+    assert len(decoding) >= 29
+    # while "short" decodes, every step has its token and at most a chunk of "long"
+    start = next(i for i, s in enumerate(seen) if s.get("short") == 1)
+    for s in seen[start : start + 12]:
+        assert s.get("short") == 1 and s.get("long", 0) <= 7
+
+
+def test_a_request_that_can_never_fit_is_refused():
+    pool, sched, _ = make(pages=17, page_size=4)  # 16 usable pages: 4 tokens per head
+    with pytest.raises(ValueError, match=r"needs 20 pages .* more than the pool's 16"):
+        sched.add(seq("big", range(10), max_tokens=8))
+    with pytest.raises(ValueError, match="empty"):
+        sched.add(seq("none", []))
+    sched.add(seq("ok", range(10), max_tokens=6))
+    with pytest.raises(ValueError, match="already in the engine"):
+        sched.add(seq("ok", range(3)))
+
+
+def test_out_of_pages_preempts_the_newest_and_everyone_finishes():
+    pool, sched, dev = make(pages=49, page_size=4, token_budget=64, chunk=16)  # 48 pages
+    for i in range(6):
+        sched.add(seq(f"r{i}", range(1 + i, 11 + i), max_tokens=20))  # 30 tokens: 32 pages
+
+    def newest_first(plan):
+        for victim in plan.preempted:  # every victim arrived after every sequence still running
+            assert all(victim.arrival > s.arrival for s in sched.running)
+
+    finished, _ = run_all(sched, dev, on_step=newest_first)
+    assert sorted(s.request_id for s in finished) == [f"r{i}" for i in range(6)]
+    assert all(len(s.output) == 20 for s in finished)
+    assert sched.num_preemptions > 0 and pool.used_pages == 0
+
+
+def test_preempted_requests_recompute_to_the_same_tokens():
+    """Greedy 'sampling' depends only on the tokens: a preempted request ends as unpreempted."""
+    _, roomy, dev1 = make(pages=400)
+    _, tight, dev2 = make(pages=49, token_budget=64, chunk=16)
+    for sched in (roomy, tight):
+        for i in range(6):
+            sched.add(seq(f"r{i}", range(1 + i, 11 + i), max_tokens=20))
+    a, _ = run_all(roomy, dev1)
+    b, _ = run_all(tight, dev2)
+    assert tight.num_preemptions > 0
+    assert {s.request_id: s.output for s in a} == {s.request_id: s.output for s in b}
+
+
+def test_a_second_identical_prompt_hits_the_prefix_cache():
+    pool, sched, dev = make(token_budget=64, chunk=64)
+    prompt = list(range(1, 19))  # 18 tokens: 4 full blocks of 4
+    sched.add(seq("a", prompt, max_tokens=3, extra_keys=("w", "tenant-1")))
+    (a,), _ = run_all(sched, dev)
+    sched.add(seq("b", prompt, max_tokens=3, extra_keys=("w", "tenant-1")))
+    sched.add(seq("c", prompt, max_tokens=3, extra_keys=("w", "tenant-2")))
+    first = sched.schedule()
+    n = {s.seq.request_id: (s.start, s.n) for s in first.scheduled}
+    assert n["b"] == (16, 2) and n["c"] == (0, 18)  # b skips 4 cached blocks; c is another tenant
+    assert sched.by_id["b"].num_cached == 16 and sched.by_id["c"].num_cached == 0
+    sched.finish_step(first, dev.run(first))
+    finished, _ = run_all(sched, dev)
+    outs = {s.request_id: s.output for s in finished}
+    assert outs["b"] == outs["c"] == a.output
+    assert pool.stats.prefix_hits >= 4 and pool.used_pages == 0
+
+
+def test_compression_frees_pages_and_copies_shared_ones():
+    pool, sched, dev = make(token_budget=64, chunk=64)
+    prompt = list(range(1, 17))
+    sched.add(seq("a", prompt, max_tokens=2))
+    run_all(sched, dev)  # publishes the prompt's blocks
+    sched.add(seq("b", prompt + [5, 5, 5, 5], max_tokens=8))
+    plan = sched.schedule()
+    sched.finish_step(plan, dev.run(plan))
+    b = sched.by_id["b"]
+    assert b.shared_blocks == 4 and b.num_computed == 20
+    before = pool.used_pages
+    kept = [5, 9, 1, 20]  # per (layer, head): as many as a per-head policy keeps
+    moves = sched.compress(b, kept)
+    for (old, new), k in zip(moves, kept, strict=True):  # the runner's copy, in slot order
+        src = [dev.pages[old[i // 4]][i % 4] for i in range(20)]  # (head, token) cells
+        keep = src[:k]
+        for i, t in enumerate(keep):
+            dev.pages[new[i // 4]][i % 4] = t
+    assert pool.used_pages == before - 20 + sum(-(-k // 4) for k in kept)
+    assert all(pool.is_cached(p) for p in moves[0][0][:4])  # the shared blocks stay cached
+    assert b.held == kept and b.compressed
+    plan = sched.schedule()  # decoding goes on: one more token on every head
+    assert [s.n for s in plan.scheduled] == [1]
+    sched.finish_step(plan, dev.run(plan))
+    assert b.held == [k + 1 for k in kept]
+    sched.abort("b")
+    assert pool.used_pages == 0 and sched.abort("b") is None
+
+
+@pytest.mark.parametrize("recycle", ["lazy", "watermark"])
+def test_200_random_requests_with_aborts_leak_no_page(recycle):
+    rng = random.Random(7)
+    pool, sched, dev = make(pages=161, page_size=4, token_budget=48, chunk=16, max_running=12,
+                            recycle=recycle, admission_headroom=0.05)  # fmt: skip
+    shared = [rng.randint(1, 40) for _ in range(12)]  # a system prompt many requests start with
+    pending = []
+    for i in range(200):
+        body = [rng.randint(1, 40) for _ in range(rng.randint(1, 40))]
+        prompt = (shared if rng.random() < 0.5 else []) + body
+        tenant = rng.choice(["a", "b"])
+        pending.append(seq(f"q{i}", prompt, max_tokens=rng.randint(1, 12), eos_ids=(0,),
+                           extra_keys=("w", tenant)))  # fmt: skip
+    aborted, finished = set(), []
+    while pending or sched.has_work:
+        for _ in range(rng.randint(0, 3)):
+            if pending:
+                sched.add(pending.pop(0))
+        if sched.by_id and rng.random() < 0.1:
+            rid = rng.choice(sorted(sched.by_id))
+            sched.abort(rid)
+            aborted.add(rid)
+        plan = sched.schedule()
+        finished += sched.finish_step(plan, dev.run(plan))
+        for s in sched.running:
+            for h in range(GROUP):
+                assert dev.read(s, h) == s.tokens[: s.num_computed]
+        pool.check()
+    assert len(finished) + len(aborted) == 200
+    assert all(s.finish_reason in ("stop", "length") for s in finished)
+    assert all(len(s.output) == s.max_tokens or s.output[-1] == 0 for s in finished)
+    assert pool.used_pages == 0 and not sched.by_id
+    assert pool.stats.prefix_hits > 0
