@@ -9,6 +9,7 @@ from jkv import embedding  # jkv.embedding.ModelEmbedder, fit_clusters
 from jkv.checkpoints import convert, load
 from jkv.checkpoints import save as _save
 from jkv.checkpoints.export import export_hf
+from jkv.engine.engine import Engine, RequestOutput
 from jkv.generate import generate, stream
 from jkv.memory import MemoryReport, memory
 from jkv.output import GenerationResult
@@ -40,11 +41,13 @@ __all__ = [
     "H2O",
     "AdaKV",
     "EffiCache",
+    "Engine",
     "GenerationResult",
     "KVPolicy",
     "Params",
     "PyramidKV",
     "Quantile",
+    "RequestOutput",
     "ResponseCache",
     "SnapKV",
     "SnapKVSegments",

@@ -1,0 +1,233 @@
+"""`jkv.Engine`: requests come and go while others decode, sharing one paged KV pool.
+
+    engine = jkv.Engine(params, num_pages=2048, page_size=16)
+    rid = engine.add_request("The capital of France is", max_new_tokens=16)
+    while engine.has_work:
+        for out in engine.step():        # one model step for every scheduled request
+            print(out.request_id, out.new_tokens, out.finished)
+
+The scheduler (plain Python) decides which tokens run; the runner gathers their pages, runs THE
+model step and samples. Per-request settings (sampling values, seed, max_new_tokens) are
+per-row data: requests with different settings share a step. So far the engine serves the full
+cache (no KV policy), float32 or bfloat16 storage, and no stop strings: those raise ValueError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+
+import numpy as np
+
+from jkv.core.sampling import SamplingArrays
+from jkv.engine.page_pool import PagePool
+from jkv.engine.runner import bucket, empty_pool, pack, paged_step
+from jkv.engine.scheduler import Scheduler
+from jkv.engine.sequence import Sequence
+from jkv.params import Params
+from jkv.prompt import prompt_ids
+from jkv.request import Request
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What one step did for one request."""
+
+    request_id: str
+    new_tokens: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop" (eos), "length", "abort" or None while running
+    cached_tokens: int  # prompt tokens taken from the prefix cache
+
+
+class Engine:
+    def __init__(
+        self,
+        params: Params,
+        *,
+        num_pages: int = 1024,
+        page_size: int = 16,
+        token_budget: int = 256,
+        chunk: int = 128,
+        max_running: int = 16,
+        max_model_len: int | None = None,
+        kv_dtype: str | None = None,
+        backend: str | None = None,
+        recycle: str = "lazy",
+        recycle_below: float = 0.15,
+        admission_headroom: float = 0.0,
+    ):
+        if not isinstance(params, Params):
+            raise ValueError(
+                f"params is a {type(params).__name__}; expected jkv.Params (from jkv.load)"
+            )
+        probe = Request.build(params, kv_dtype=kv_dtype, backend=backend)
+        self.kv_dtype = probe.kv_dtype or params.kv_dtype
+        if self.kv_dtype == "float8_e4m3fn":
+            raise ValueError("kv_dtype='float8_e4m3fn' is not served by the engine yet")
+        self.backend = probe.backend
+        self.params = params
+        cfg = params.config
+        self.max_model_len = cfg.max_position_embeddings if max_model_len is None else max_model_len
+        if (
+            isinstance(self.max_model_len, bool)
+            or not isinstance(self.max_model_len, int)
+            or (self.max_model_len < 1)
+        ):
+            raise ValueError(f"max_model_len={max_model_len!r}: expected an int >= 1")
+        self.pool = PagePool(
+            num_pages,
+            page_size,
+            cfg.num_layers * cfg.num_kv_heads,
+            recycle=recycle,
+            recycle_below=recycle_below,
+            admission_headroom=admission_headroom,
+        )
+        self.scheduler = Scheduler(
+            self.pool,
+            num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads,
+            token_budget=token_budget,
+            chunk=chunk,
+            max_running=max_running,
+        )
+        self.device = empty_pool(cfg, num_pages, page_size, self.kv_dtype)
+        self.eos_ids = tuple(sorted(set(cfg.eos_token_ids)))
+        self._requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def add_request(self, prompt, *, request_id: str | None = None, cache_salt=None, **settings):
+        """Queues a prompt (text, UTF-8 bytes or token ids) with `jkv.generate`'s settings;
+        `cache_salt` keeps a tenant's prefix-cache pages its own. Returns the request id.
+
+        Raises:
+          ValueError: a bad setting, a prompt past the model's context, one that could never
+            fit in the pool, or a setting the engine does not serve yet (kv_policy, stop).
+        """
+        req = Request.build(self.params, **settings)
+        if req.policy is not None:
+            raise ValueError(
+                f"kv_policy={settings.get('kv_policy')!r}: not served by the engine yet"
+            )
+        if req.stop:
+            raise ValueError(f"stop={req.stop!r}: stop strings are not served by the engine yet")
+        if req.kv_dtype not in (None, self.kv_dtype) or req.backend != self.backend:
+            raise ValueError(
+                f"kv_dtype={req.kv_dtype!r} backend={req.backend!r}: the engine's are "
+                f"{self.kv_dtype!r} and {self.backend!r}, one per engine"
+            )
+        ids = prompt_ids(self.params, prompt, None)
+        context = self.params.config.max_position_embeddings
+        longest = len(ids) + req.max_new_tokens - 1
+        if longest > context and not req.allow_beyond_context:
+            raise ValueError(
+                f"a prompt of {len(ids)} tokens plus max_new_tokens={req.max_new_tokens} runs "
+                f"past the model's trained context ({context}); shorten it or pass "
+                "allow_beyond_context=True"
+            )
+        if longest > self.max_model_len:
+            raise ValueError(
+                f"a prompt of {len(ids)} tokens plus max_new_tokens={req.max_new_tokens} needs "
+                f"{longest} positions, more than this engine's max_model_len={self.max_model_len}"
+            )
+        rid = str(next(self._ids)) if request_id is None else request_id
+        if not isinstance(rid, str) or not rid:
+            raise ValueError(f"request_id={request_id!r}: expected a non-empty str")
+        seq = Sequence(
+            rid,
+            ids,
+            req.max_new_tokens,
+            arrival=0,
+            eos_ids=self.eos_ids,
+            extra_keys=(self.params.version, self.kv_dtype, cache_salt),
+        )
+        self.scheduler.add(seq)
+        self._requests[rid] = req
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        """Stops a request; its pages go back to the pool. False if it is not in the engine."""
+        self._requests.pop(request_id, None)
+        return self.scheduler.abort(request_id) is not None
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduled model step. Returns an output for every request that sampled a
+        token (or finished) in it."""
+        plan = self.scheduler.schedule()
+        sampled: dict[str, int] = {}
+        decode = [r for r in plan.scheduled if r.n == 1]
+        prefill = [r for r in plan.scheduled if r.n > 1]
+        for rows in (decode, prefill):
+            if rows:
+                sampled.update(self._run(rows))
+        cached = {r.seq.request_id: r.seq.num_cached for r in plan.scheduled}  # before any frees
+        finished = {s.request_id for s in self.scheduler.finish_step(plan, sampled)}
+        outs = []
+        for r in plan.scheduled:
+            rid = r.seq.request_id
+            if rid in sampled:
+                outs.append(
+                    RequestOutput(
+                        rid, [sampled[rid]], rid in finished, r.seq.finish_reason, cached[rid]
+                    )  # fmt: skip
+                )
+                if rid in finished:
+                    self._requests.pop(rid, None)
+        return outs
+
+    def _run(self, rows) -> dict[str, int]:
+        cfg = self.params.config
+        tables, held, tokens, n_new, start = pack(
+            rows, cfg.num_layers, cfg.num_kv_heads, self.pool.page_size, self.scheduler.chunk
+        )
+        b = len(n_new)
+        reqs = [self._requests[r.seq.request_id] for r in rows]
+        reqs += [reqs[0]] * (b - len(rows))  # padding rows sample and are ignored
+        sampling = SamplingArrays.build([q.sampling for q in reqs], [q.seed for q in reqs])
+        index = np.zeros((b,), np.int32)
+        index[: len(rows)] = [len(r.seq.output) for r in rows]
+        tok, self.device = paged_step(
+            self.params.weights, cfg, self.device, tables, held, tokens, n_new, start, sampling,
+            index, backend=self.backend, dtype=self.kv_dtype,
+        )  # fmt: skip
+        tok = np.asarray(tok)
+        return {r.seq.request_id: int(tok[i]) for i, r in enumerate(rows) if r.samples}
+
+    def warmup(self) -> float:
+        """Compiles every step shape a request can need (rows: powers of two up to
+        max_running; new tokens: 1 or the chunk; pages per head: powers of two up to
+        max_model_len's), so that no request compiles later. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        cfg = self.params.config
+        page = self.pool.page_size
+        rows = [1 << i for i in range(bucket(self.scheduler.max_running).bit_length())]
+        pages = [1 << i for i in range(bucket(-(-self.max_model_len // page)).bit_length())]
+        probe = self._requests_probe()
+        for b, t, m in itertools.product(rows, (1, self.scheduler.chunk), pages):
+            z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+            sampling = SamplingArrays.build([probe.sampling] * b, [probe.seed] * b)
+            tok, self.device = paged_step(
+                self.params.weights, cfg, self.device, z(b, cfg.num_layers, cfg.num_kv_heads, m),
+                z(b, cfg.num_layers, cfg.num_kv_heads), z(b, t), z(b), z(b), sampling, z(b),
+                backend=self.backend, dtype=self.kv_dtype,
+            )  # fmt: skip
+            tok.block_until_ready()
+        return time.perf_counter() - t0
+
+    def _requests_probe(self) -> Request:
+        return Request.build(self.params)
+
+    def generate(self, prompts, **settings) -> list[list[int]]:
+        """Every prompt through the engine at once; each one's generated token ids, in order."""
+        rids = [self.add_request(p, **settings) for p in prompts]
+        got: dict[str, list[int]] = {rid: [] for rid in rids}
+        while self.has_work:
+            for out in self.step():
+                if out.request_id in got:
+                    got[out.request_id] += out.new_tokens
+        return [got[rid] for rid in rids]

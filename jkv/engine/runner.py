@@ -1,0 +1,169 @@
+"""The engine's device side: the paged pool's arrays and one compiled step over a batch of rows.
+
+The pool holds K, V and positions as `[L, P, page_size, H]` (positions `[L, P, page_size]`):
+page p of layer l is one kv head's `page_size` tokens. A step gathers each row's pages of every
+(layer, kv head) into a dense state of M pages per head (`jkv_kernels.gather_pages`), runs THE
+model step (`jkv.core.step.model_step`, the one `jkv.generate` runs) and writes the new tokens'
+K and V back into their pages. Rows, new tokens per row and pages per head are padded to powers
+of two, so compiled steps are bounded; all per-row settings are traced arrays.
+
+The gather copies each row's context once per step (the attention reads it anyway); the
+`paged_decode_attention` kernel, which reads pages in place, is the next step on GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jkv import kv as kvlib
+from jkv.core.sampling import SamplingArrays, sample
+from jkv.core.step import model_step, next_positions
+from jkv_kernels import gather_pages, scatter_set
+from jkv_models.config import ModelConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKV:
+    k: jax.Array  # [L, P, page_size, H] storage dtype
+    v: jax.Array  # [L, P, page_size, H]
+    positions: jax.Array  # [L, P, page_size] int32 text position of every token
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[1]
+
+
+def empty_pool(config: ModelConfig, num_pages: int, page_size: int, dtype: str) -> PagedKV:
+    shape = (config.num_layers, num_pages, page_size, config.head_dim)
+    return PagedKV(
+        k=jnp.zeros(shape, dtype),
+        v=jnp.zeros(shape, dtype),
+        positions=jnp.zeros(shape[:3], jnp.int32),
+    )
+
+
+def pool_bytes(config: ModelConfig, num_pages: int, page_size: int, dtype: str) -> int:
+    """Device bytes of a pool (K, V and positions)."""
+    per_token = 2 * config.head_dim * jnp.dtype(dtype).itemsize + 4
+    return config.num_layers * num_pages * page_size * per_token
+
+
+@functools.partial(
+    jax.jit, static_argnames=("config", "backend", "dtype"), donate_argnames=("pool",)
+)
+def paged_step(
+    weights,
+    config: ModelConfig,
+    pool: PagedKV,
+    tables,
+    held,
+    tokens,
+    n_new,
+    start,
+    sampling: SamplingArrays,
+    sample_index,
+    *,
+    backend: str,
+    dtype: str,
+):
+    """One model step over B rows of the pool.
+
+    Args:
+      tables: `[B, L, K, M]` int32 page ids per (row, layer, kv head), padded with page 0.
+      held: `[B, L, K]` int32 tokens each head holds before the step.
+      tokens: `[B, T]` int32, row b's first `n_new[b]` real; `start`: `[B]` int32 text
+        position of `tokens[:, 0]`.
+      sampling, sample_index: per-row settings and the index of the token each row samples.
+
+    Returns:
+      (`[B]` int32 sampled tokens (meaningful for rows whose step reaches their last known
+      token), the pool with the new tokens written).
+    """
+    b, t = tokens.shape
+    page = pool.page_size
+    layers = []
+    for layer in range(config.num_layers):
+        tab = tables[:, layer]
+        layers.append(
+            kvlib.LayerKV(
+                k=gather_pages(pool.k[layer], tab),
+                v=gather_pages(pool.v[layer], tab),
+                lengths=held[:, layer],
+                positions=gather_pages(pool.positions[layer], tab),
+            )
+        )
+    kv = kvlib.KVState(
+        layers=tuple(layers),
+        next_position=start,
+        limit=jnp.full((b,), kvlib.NO_LIMIT, jnp.int32),
+        dtype=dtype,
+    )
+    logits, kv = model_step(
+        weights,
+        config,
+        kv,
+        tokens,
+        next_positions(kv, t),
+        n_new,
+        backend=backend,
+        logits_at=jnp.maximum(n_new - 1, 0),
+    )
+    # The new tokens sit in slots held .. held + n_new - 1 of each head's dense copy.
+    offs = jnp.arange(t, dtype=jnp.int32)
+    live = offs[None, None, None, :] < n_new[:, None, None, None]  # [B, 1, 1, T]
+    slots = held[..., None] + offs  # [B, L, K, T]
+    pages = jnp.take_along_axis(tables, jnp.minimum(slots // page, tables.shape[-1] - 1), -1)
+    pages = jnp.where(live, pages, pool.num_pages)  # out of range: the write is dropped
+    where = (pages, slots % page)
+    k_all, v_all, pos_all = pool.k, pool.v, pool.positions
+    for layer in range(config.num_layers):
+        dense = kv.layers[layer]
+        idx = jnp.minimum(slots[:, layer], dense.capacity - 1)  # [B, K, T]
+        new_k = jnp.take_along_axis(dense.k, idx[..., None], axis=2)  # [B, K, T, H]
+        new_v = jnp.take_along_axis(dense.v, idx[..., None], axis=2)
+        new_pos = jnp.take_along_axis(dense.positions, idx, axis=2)
+        at = (layer, where[0][:, layer], where[1][:, layer])
+        k_all = scatter_set(k_all, at, new_k)
+        v_all = scatter_set(v_all, at, new_v)
+        pos_all = pos_all.at[at].set(new_pos, mode="drop")
+    tok = sample(logits, sampling, sample_index)
+    return tok, PagedKV(k=k_all, v=v_all, positions=pos_all)
+
+
+def bucket(n: int, low: int = 1) -> int:
+    """The power of two >= max(n, low)."""
+    return max(low, 1 << max(0, (n - 1).bit_length()))
+
+
+def pack(rows, num_layers: int, num_kv_heads: int, page_size: int, chunk: int):
+    """Host arrays for `paged_step` from scheduled rows: (tables, held, tokens, n_new, start),
+    rows and pages per head padded to powers of two (padding rows: no tokens), new tokens per
+    row to 1 (all rows decoding) or `chunk`: two token shapes in all."""
+    b = bucket(len(rows))
+    t = 1 if all(r.n == 1 for r in rows) else chunk
+    m = bucket(max(-(-(h + r.n) // page_size) for r in rows for h in r.seq.held))
+    tables = np.zeros((b, num_layers, num_kv_heads, m), np.int32)
+    held = np.zeros((b, num_layers, num_kv_heads), np.int32)
+    tokens = np.zeros((b, t), np.int32)
+    n_new = np.zeros((b,), np.int32)
+    start = np.zeros((b,), np.int32)
+    for i, r in enumerate(rows):
+        seq = r.seq
+        for h, table in enumerate(seq.heads):
+            layer, head = divmod(h, num_kv_heads)
+            tables[i, layer, head, : len(table)] = table
+            held[i, layer, head] = seq.held[h]
+        tokens[i, : r.n] = seq.tokens[r.start : r.start + r.n]
+        n_new[i] = r.n
+        start[i] = r.start
+    return tables, held, tokens, n_new, start

@@ -1,0 +1,119 @@
+"""jkv.Engine on a tiny random Llama (2 layers, no eos: every request runs to max_new_tokens)
+and a Mistral with a sliding window: requests arriving while others decode give the tokens
+`jkv.generate` gives each of them alone; prefix hits change nothing; no step compiles after
+`warmup`."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import jkv
+from jkv.engine.engine import Engine
+from jkv.engine.runner import paged_step
+
+
+@pytest.fixture(scope="module")
+def demo(tiny_params):
+    return tiny_params("llama")
+
+
+def alone(params, ids, **settings):
+    return list(jkv.generate(params, ids, **settings).tokens)
+
+
+def random_prompts(rng, n, vocab, low=3, high=60):
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(low, high))] for _ in range(n)]
+
+
+@pytest.mark.parametrize(
+    "kind, kv_dtype", [("llama", "float32"), ("llama", "bfloat16"), ("mistral", "float32")]
+)
+def test_requests_arriving_at_random_steps_match_generate_alone(tiny_params, kind, kv_dtype):
+    demo = tiny_params(kind, **({"sliding_window": 16} if kind == "mistral" else {}))
+    rng = random.Random(3)
+    # 20 usable pages, 4 per 16 tokens (2 layers x 2 kv heads): room for one and a half
+    # requests, so pages are recycled and requests preempted
+    engine = Engine(demo, num_pages=21, page_size=16, token_budget=32, chunk=16, max_running=2,
+                    kv_dtype=kv_dtype)  # fmt: skip
+    prompts = random_prompts(rng, 5, demo.config.vocab_size, 17, 32)  # one prompt bucket
+    lengths = [rng.randint(5, 8) for _ in prompts]  # one decode bucket for generate
+    pending = list(range(len(prompts)))
+    got = {}
+    while pending or engine.has_work:
+        for _ in range(rng.randint(0, 2)):  # requests arrive while others decode
+            if pending:
+                i = pending.pop(0)
+                rid = engine.add_request(prompts[i], max_new_tokens=lengths[i], kv_dtype=kv_dtype)
+                got[rid] = (i, [])
+        for out in engine.step():
+            got[out.request_id][1].extend(out.new_tokens)
+    assert engine.pool.used_pages == 0 and engine.scheduler.num_preemptions > 0
+    for i, toks in got.values():
+        want = alone(demo, prompts[i], max_new_tokens=lengths[i], kv_dtype=kv_dtype)
+        assert toks == want, i
+
+
+def test_different_sampling_settings_share_a_step(demo):
+    rng = random.Random(5)
+    prompts = random_prompts(rng, 3, demo.config.vocab_size, 5, 20)
+    settings = [dict(temperature=0.9, seed=11), dict(temperature=0.7, top_k=20, seed=12), {}]
+    engine = Engine(demo, num_pages=128, page_size=8, chunk=32)
+    rids = [
+        engine.add_request(p, max_new_tokens=6, **s) for p, s in zip(prompts, settings, strict=True)
+    ]
+    got = {rid: [] for rid in rids}
+    sizes = []
+    while engine.has_work:
+        outs = engine.step()
+        sizes.append(len(outs))
+        for out in outs:
+            got[out.request_id] += out.new_tokens
+    assert max(sizes) == 3  # all three in one step
+    for rid, p, s in zip(rids, prompts, settings, strict=True):
+        assert got[rid] == alone(demo, p, max_new_tokens=6, **s)
+
+
+def test_a_prefix_hit_gives_the_same_tokens(demo):
+    rng = random.Random(9)
+    (prompt,) = random_prompts(rng, 1, demo.config.vocab_size, 40, 40)
+    engine = Engine(demo, num_pages=128, page_size=8, chunk=64)
+    (first,) = engine.generate([prompt], max_new_tokens=5)
+    rid = engine.add_request(prompt, max_new_tokens=5)
+    toks, cached = [], None
+    while engine.has_work:
+        for out in engine.step():
+            toks += out.new_tokens
+            cached = out.cached_tokens if cached is None else cached
+    assert cached == 32 and toks == first == alone(demo, prompt, max_new_tokens=5)
+    other = engine.add_request(prompt, max_new_tokens=5, cache_salt="tenant-2")
+    outs = engine.step()
+    assert [o.cached_tokens for o in outs if o.request_id == other] == [0]  # another tenant
+    assert rid != other
+
+
+def test_no_step_compiles_after_warmup(demo):
+    engine = Engine(demo, num_pages=64, page_size=16, chunk=16, max_running=2, max_model_len=32)
+    seconds = engine.warmup()
+    assert seconds > 0
+    before = paged_step._cache_size()
+    rng = random.Random(1)
+    prompts = random_prompts(rng, 5, demo.config.vocab_size, 1, 20)
+    engine.generate(prompts, max_new_tokens=12, temperature=0.5)
+    assert paged_step._cache_size() == before
+
+
+def test_requests_the_engine_cannot_serve_get_clear_errors(demo):
+    engine = Engine(demo, num_pages=9, page_size=8, max_model_len=128)
+    with pytest.raises(ValueError, match="kv_policy='snapkv': not served"):
+        engine.add_request([5, 6, 7], kv_policy="snapkv")
+    with pytest.raises(ValueError, match="max_model_len=128"):
+        engine.add_request([5] * 100, max_new_tokens=40)
+    with pytest.raises(ValueError, match="more than the pool's 8"):
+        engine.add_request([5] * 20, max_new_tokens=10)
+    with pytest.raises(ValueError, match="unknown setting 'temprature'"):
+        engine.add_request([5, 6], temprature=1.0)
+    with pytest.raises(ValueError, match="float8_e4m3fn.* not served by the engine yet"):
+        Engine(demo, kv_dtype="float8_e4m3fn")
+    assert engine.pool.used_pages == 0 and not engine.has_work
