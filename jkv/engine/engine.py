@@ -22,7 +22,7 @@ import numpy as np
 
 from jkv.core.sampling import SamplingArrays
 from jkv.engine.page_pool import PagePool
-from jkv.engine.runner import bucket, empty_pool, pack, paged_step
+from jkv.engine.runner import bucket, empty_pool, pack, paged_step, write_pages
 from jkv.engine.scheduler import Scheduler
 from jkv.engine.sequence import Sequence
 from jkv.params import Params
@@ -191,10 +191,11 @@ class Engine:
         sampling = SamplingArrays.build([q.sampling for q in reqs], [q.seed for q in reqs])
         index = np.zeros((b,), np.int32)
         index[: len(rows)] = [len(r.seq.output) for r in rows]
-        tok, self.device = paged_step(
+        tok, writes = paged_step(
             self.params.weights, cfg, self.device, tables, held, tokens, n_new, start, sampling,
             index, backend=self.backend, dtype=self.kv_dtype,
         )  # fmt: skip
+        self.device = write_pages(self.device, writes)
         tok = np.asarray(tok)
         return {r.seq.request_id: int(tok[i]) for i, r in enumerate(rows) if r.samples}
 
@@ -211,11 +212,12 @@ class Engine:
         for b, t, m in itertools.product(rows, (1, self.scheduler.chunk), pages):
             z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
             sampling = SamplingArrays.build([probe.sampling] * b, [probe.seed] * b)
-            tok, self.device = paged_step(
+            tok, writes = paged_step(
                 self.params.weights, cfg, self.device, z(b, cfg.num_layers, cfg.num_kv_heads, m),
                 z(b, cfg.num_layers, cfg.num_kv_heads), z(b, t), z(b), z(b), sampling, z(b),
                 backend=self.backend, dtype=self.kv_dtype,
             )  # fmt: skip
+            self.device = write_pages(self.device, writes)  # nothing written: n_new is 0
             tok.block_until_ready()
         return time.perf_counter() - t0
 

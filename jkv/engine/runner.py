@@ -3,9 +3,10 @@
 The pool holds K, V and positions as `[L, P, page_size, H]` (positions `[L, P, page_size]`):
 page p of layer l is one kv head's `page_size` tokens. A step gathers each row's pages of every
 (layer, kv head) into a dense state of M pages per head (`jkv_kernels.gather_pages`), runs THE
-model step (`jkv.core.step.model_step`, the one `jkv.generate` runs) and writes the new tokens'
-K and V back into their pages. Rows, new tokens per row and pages per head are padded to powers
-of two, so compiled steps are bounded; all per-row settings are traced arrays.
+model step (`jkv.core.step.model_step`, the one `jkv.generate` runs) and samples; then
+`write_pages` (a jit of its own, so the update is in place) writes the new tokens' K and V into
+their pages. Rows, new tokens per row and pages per head are padded to powers of two, so
+compiled steps are bounded; all per-row settings are traced arrays.
 
 The gather copies each row's context once per step (the attention reads it anyway); the
 `paged_decode_attention` kernel, which reads pages in place, is the next step on GPU.
@@ -58,9 +59,7 @@ def pool_bytes(config: ModelConfig, num_pages: int, page_size: int, dtype: str) 
     return config.num_layers * num_pages * page_size * per_token
 
 
-@functools.partial(
-    jax.jit, static_argnames=("config", "backend", "dtype"), donate_argnames=("pool",)
-)
+@functools.partial(jax.jit, static_argnames=("config", "backend", "dtype"))
 def paged_step(
     weights,
     config: ModelConfig,
@@ -87,7 +86,7 @@ def paged_step(
 
     Returns:
       (`[B]` int32 sampled tokens (meaningful for rows whose step reaches their last known
-      token), the pool with the new tokens written).
+      token), the writes for `write_pages`).
     """
     b, t = tokens.shape
     page = pool.page_size
@@ -124,20 +123,34 @@ def paged_step(
     slots = held[..., None] + offs  # [B, L, K, T]
     pages = jnp.take_along_axis(tables, jnp.minimum(slots // page, tables.shape[-1] - 1), -1)
     pages = jnp.where(live, pages, pool.num_pages)  # out of range: the write is dropped
-    where = (pages, slots % page)
-    k_all, v_all, pos_all = pool.k, pool.v, pool.positions
+    new = []
     for layer in range(config.num_layers):
         dense = kv.layers[layer]
         idx = jnp.minimum(slots[:, layer], dense.capacity - 1)  # [B, K, T]
-        new_k = jnp.take_along_axis(dense.k, idx[..., None], axis=2)  # [B, K, T, H]
-        new_v = jnp.take_along_axis(dense.v, idx[..., None], axis=2)
-        new_pos = jnp.take_along_axis(dense.positions, idx, axis=2)
-        at = (layer, where[0][:, layer], where[1][:, layer])
-        k_all = scatter_set(k_all, at, new_k)
-        v_all = scatter_set(v_all, at, new_v)
-        pos_all = pos_all.at[at].set(new_pos, mode="drop")
+        new.append((
+            jnp.take_along_axis(dense.k, idx[..., None], axis=2),  # [B, K, T, H]
+            jnp.take_along_axis(dense.v, idx[..., None], axis=2),
+            jnp.take_along_axis(dense.positions, idx, axis=2),
+        ))  # fmt: skip
+    new_k, new_v, new_pos = (jnp.stack(x, axis=1) for x in zip(*new, strict=True))  # [B, L, ...]
     tok = sample(logits, sampling, sample_index)
-    return tok, PagedKV(k=k_all, v=v_all, positions=pos_all)
+    return tok, (pages, slots % page, new_k, new_v, new_pos)
+
+
+@functools.partial(jax.jit, donate_argnames=("pool",))
+def write_pages(pool: PagedKV, writes) -> PagedKV:
+    """Writes a step's new tokens into their pages, in place: (pages, offsets `[B, L, K, T]`,
+    K, V `[B, L, K, T, H]`, positions `[B, L, K, T]`); out-of-range pages are dropped. A jit
+    of its own: in the same program as the gathers that read the pool, XLA copies the whole
+    pool around the update (measured: 37 ms against 6 ms per step for a 4,096-page pool)."""
+    pages, offsets, new_k, new_v, new_pos = writes
+    layer = jnp.broadcast_to(jnp.arange(pages.shape[1])[None, :, None, None], pages.shape)
+    at = (layer, pages, offsets)
+    return PagedKV(
+        k=scatter_set(pool.k, at, new_k),
+        v=scatter_set(pool.v, at, new_v),
+        positions=pool.positions.at[at].set(new_pos, mode="drop"),
+    )
 
 
 def bucket(n: int, low: int = 1) -> int:
