@@ -7,9 +7,9 @@
             print(out.request_id, out.new_tokens, out.finished)
 
 The scheduler (plain Python) decides which tokens run; the runner gathers their pages, runs THE
-model step and samples. Per-request settings (sampling values, seed, max_new_tokens) are
-per-row data: requests with different settings share a step. So far the engine serves the full
-cache (no KV policy), float32 or bfloat16 storage, and no stop strings: those raise ValueError.
+model step and samples. Per-request settings (sampling values, seed, max_new_tokens, stop
+strings) are per-row data: requests with different settings share a step. So far the engine
+serves the full cache (no KV policy) in float32 or bfloat16 storage; the others raise ValueError.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from jkv.engine.page_pool import PagePool
 from jkv.engine.runner import bucket, empty_pool, pack, paged_step, write_pages
 from jkv.engine.scheduler import Scheduler
 from jkv.engine.sequence import Sequence
+from jkv.output import RowOutput
 from jkv.params import Params
 from jkv.prompt import prompt_ids
 from jkv.request import Request
@@ -37,8 +38,35 @@ class RequestOutput:
     request_id: str
     new_tokens: list[int]
     finished: bool
-    finish_reason: str | None  # "stop" (eos), "length", "abort" or None while running
+    finish_reason: str | None  # "stop" (eos or a stop string), "length" or None while running
     cached_tokens: int  # prompt tokens taken from the prefix cache
+    text: str = ""  # new text no later token can change (all of the rest once finished)
+
+
+class _Row:
+    """One request's text and stop strings, and how much of both was handed out."""
+
+    def __init__(self, out: RowOutput | None):
+        self.out = out
+        self.tokens = 0  # tokens handed out
+        self.chars = 0  # characters of text handed out
+
+    @property
+    def stopped(self) -> bool:
+        return self.out is not None and self.out.hit is not None
+
+    def take(self, new: list[int], seq, final: bool) -> tuple[list[int], str]:
+        """The new tokens (none past a stop string) and the new settled text."""
+        if self.out is None:
+            self.tokens += len(new)
+            return new, ""
+        self.out.push(new)
+        upto = self.out.hit[1] if self.out.hit is not None else len(seq.output)
+        tokens = seq.output[self.tokens : upto]
+        self.tokens = max(self.tokens, upto)
+        text = self.out.text if final or self.stopped else self.out.settled()
+        delta, self.chars = text[self.chars :], max(self.chars, len(text))
+        return tokens, delta
 
 
 class Engine:
@@ -95,6 +123,7 @@ class Engine:
         self.device = empty_pool(cfg, num_pages, page_size, self.kv_dtype)
         self.eos_ids = tuple(sorted(set(cfg.eos_token_ids)))
         self._requests: dict[str, Request] = {}
+        self._rows: dict[str, _Row] = {}
         self._ids = itertools.count()
 
     @property
@@ -107,15 +136,15 @@ class Engine:
 
         Raises:
           ValueError: a bad setting, a prompt past the model's context, one that could never
-            fit in the pool, or a setting the engine does not serve yet (kv_policy, stop).
+            fit in the pool, or a setting the engine does not serve yet (kv_policy).
         """
         req = Request.build(self.params, **settings)
         if req.policy is not None:
             raise ValueError(
                 f"kv_policy={settings.get('kv_policy')!r}: not served by the engine yet"
             )
-        if req.stop:
-            raise ValueError(f"stop={req.stop!r}: stop strings are not served by the engine yet")
+        if req.stop and self.params.tokenizer is None:
+            raise ValueError(f"stop={req.stop!r}: stop strings need a model with a tokenizer")
         if req.kv_dtype not in (None, self.kv_dtype) or req.backend != self.backend:
             raise ValueError(
                 f"kv_dtype={req.kv_dtype!r} backend={req.backend!r}: the engine's are "
@@ -148,11 +177,14 @@ class Engine:
         )
         self.scheduler.add(seq)
         self._requests[rid] = req
+        tok = self.params.tokenizer
+        self._rows[rid] = _Row(RowOutput(tok, req.stop) if tok is not None else None)
         return rid
 
     def abort(self, request_id: str) -> bool:
         """Stops a request; its pages go back to the pool. False if it is not in the engine."""
         self._requests.pop(request_id, None)
+        self._rows.pop(request_id, None)
         return self.scheduler.abort(request_id) is not None
 
     def step(self) -> list[RequestOutput]:
@@ -170,14 +202,18 @@ class Engine:
         outs = []
         for r in plan.scheduled:
             rid = r.seq.request_id
-            if rid in sampled:
-                outs.append(
-                    RequestOutput(
-                        rid, [sampled[rid]], rid in finished, r.seq.finish_reason, cached[rid]
-                    )  # fmt: skip
-                )
-                if rid in finished:
-                    self._requests.pop(rid, None)
+            if rid not in sampled:
+                continue
+            row = self._rows[rid]
+            tokens, text = row.take([sampled[rid]], r.seq, rid in finished)
+            if row.stopped and rid not in finished:  # a stop string: the request ends here
+                self.scheduler.finish(r.seq, "stop")
+                finished.add(rid)
+            reason = "stop" if row.stopped else r.seq.finish_reason
+            outs.append(RequestOutput(rid, tokens, rid in finished, reason, cached[rid], text))
+            if rid in finished:
+                self._requests.pop(rid, None)
+                self._rows.pop(rid, None)
         return outs
 
     def _run(self, rows) -> dict[str, int]:

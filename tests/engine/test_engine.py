@@ -117,3 +117,25 @@ def test_requests_the_engine_cannot_serve_get_clear_errors(demo):
     with pytest.raises(ValueError, match="float8_e4m3fn.* not served by the engine yet"):
         Engine(demo, kv_dtype="float8_e4m3fn")
     assert engine.pool.used_pages == 0 and not engine.has_work
+
+
+def test_stop_strings_end_a_request_as_generate_does(demo):
+    rng = random.Random(4)
+    prompts = random_prompts(rng, 3, demo.config.vocab_size, 5, 12)
+    full = [jkv.generate(demo, p, max_new_tokens=12) for p in prompts]
+    stops = [r.text[len(r.text) // 2 : len(r.text) // 2 + 3] for r in full]  # mid-answer
+    engine = Engine(demo, num_pages=64, page_size=8, chunk=16)
+    rids = [
+        engine.add_request(p, max_new_tokens=12, stop=s)
+        for p, s in zip(prompts, stops, strict=True)
+    ]
+    got = {rid: ([], "", None) for rid in rids}
+    while engine.has_work:
+        for out in engine.step():
+            toks, text, _ = got[out.request_id]
+            got[out.request_id] = (toks + out.new_tokens, text + out.text, out.finish_reason)
+    for rid, p, s in zip(rids, prompts, stops, strict=True):
+        want = jkv.generate(demo, p, max_new_tokens=12, stop=s)
+        assert want.finish_reason == "stop" and s not in want.text
+        assert got[rid] == (list(want.tokens), want.text, "stop")
+    assert engine.pool.used_pages == 0
