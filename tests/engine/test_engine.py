@@ -139,3 +139,32 @@ def test_stop_strings_end_a_request_as_generate_does(demo):
         assert want.finish_reason == "stop" and s not in want.text
         assert got[rid] == (list(want.tokens), want.text, "stop")
     assert engine.pool.used_pages == 0
+
+
+def test_aborts_and_preemptions_return_every_page(demo):
+    """A random run on the real engine: requests arrive, some are aborted (waiting, prefilling
+    or decoding), the pool is small enough to preempt; afterwards no page is held, and the
+    requests that ran to the end match generate alone."""
+    rng = random.Random(12)
+    engine = Engine(demo, num_pages=21, page_size=16, token_budget=32, chunk=16, max_running=2)
+    prompts = random_prompts(rng, 12, demo.config.vocab_size, 17, 32)
+    pending = list(range(len(prompts)))
+    got, aborted = {}, set()
+    while pending or engine.has_work:
+        for _ in range(2):
+            if pending and rng.random() < 0.7:
+                i = pending.pop(0)
+                got[engine.add_request(prompts[i], max_new_tokens=10)] = (i, [])
+        live = sorted(set(got) - aborted)
+        if live and rng.random() < 0.15:
+            rid = rng.choice(live)
+            assert engine.abort(rid) in (True, False)
+            aborted.add(rid)
+        for out in engine.step():
+            got[out.request_id][1].extend(out.new_tokens)
+        engine.pool.check()
+    assert engine.pool.used_pages == 0 and engine.scheduler.num_preemptions > 0
+    done = [(i, toks) for rid, (i, toks) in got.items() if rid not in aborted]
+    assert aborted and done
+    for i, toks in done[:3]:
+        assert toks == alone(demo, prompts[i], max_new_tokens=10)
