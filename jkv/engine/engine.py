@@ -22,9 +22,10 @@ import numpy as np
 
 from jkv.core.sampling import SamplingArrays
 from jkv.engine.page_pool import PagePool
-from jkv.engine.runner import bucket, empty_pool, pack, paged_step, write_pages
+from jkv.engine.runner import bucket, empty_pool, pack, paged_step, pool_bytes, write_pages
 from jkv.engine.scheduler import Scheduler
 from jkv.engine.sequence import Sequence
+from jkv.limits import available_bytes
 from jkv.output import RowOutput
 from jkv.params import Params
 from jkv.prompt import prompt_ids
@@ -74,8 +75,9 @@ class Engine:
         self,
         params: Params,
         *,
-        num_pages: int = 1024,
+        num_pages: int | None = 1024,
         page_size: int = 16,
+        memory_fraction: float | None = None,
         token_budget: int = 256,
         chunk: int = 128,
         max_running: int = 16,
@@ -104,6 +106,8 @@ class Engine:
             or (self.max_model_len < 1)
         ):
             raise ValueError(f"max_model_len={max_model_len!r}: expected an int >= 1")
+        if memory_fraction is not None:
+            num_pages = self._pages_for_memory(memory_fraction, page_size)
         self.pool = PagePool(
             num_pages,
             page_size,
@@ -129,6 +133,26 @@ class Engine:
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
+
+    def _pages_for_memory(self, fraction, page_size: int) -> int:
+        """Pages that fit in `fraction` of the device's free memory (instead of `num_pages`)."""
+        if (
+            isinstance(fraction, bool)
+            or not isinstance(fraction, int | float)
+            or not (0 < fraction < 1)
+        ):
+            raise ValueError(f"memory_fraction={fraction!r}: expected a number in (0, 1)")
+        free = available_bytes()
+        if free is None:
+            raise ValueError("memory_fraction: this device reports no free memory; pass num_pages")
+        per_page = pool_bytes(self.params.config, 1, page_size, self.kv_dtype)
+        pages = int(free * fraction) // per_page
+        if pages < 2:
+            raise ValueError(
+                f"memory_fraction={fraction}: {free * fraction / 2**20:.1f} MiB holds {pages} "
+                f"pages of {per_page} bytes; at least 2 are needed"
+            )
+        return pages
 
     def add_request(self, prompt, *, request_id: str | None = None, cache_salt=None, **settings):
         """Queues a prompt (text, UTF-8 bytes or token ids) with `jkv.generate`'s settings;

@@ -12,6 +12,7 @@ import pytest
 import jkv
 from jkv.engine.engine import Engine
 from jkv.engine.runner import paged_step, write_pages
+from jkv.limits import available_bytes
 
 
 @pytest.fixture(scope="module")
@@ -168,3 +169,19 @@ def test_aborts_and_preemptions_return_every_page(demo):
     assert aborted and done
     for i, toks in done[:3]:
         assert toks == alone(demo, prompts[i], max_new_tokens=10)
+
+
+def test_a_pool_sized_by_a_fraction_of_free_memory(demo):
+    cfg = demo.config
+    per_page = cfg.num_layers * 16 * (2 * cfg.head_dim * 4 + 4)  # K, V float32 + int32 positions
+    free = available_bytes()
+    engine = Engine(demo, page_size=16, memory_fraction=1e-4)
+    assert abs(engine.pool.num_pages - free * 1e-4 / per_page) <= 0.02 * free * 1e-4 / per_page
+    assert engine.generate([[5, 6, 7]], max_new_tokens=2) == [
+        alone(demo, [5, 6, 7], max_new_tokens=2)
+    ]
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="memory_fraction"):
+            Engine(demo, memory_fraction=bad)
+    with pytest.raises(ValueError, match="at least 2 are needed"):
+        Engine(demo, memory_fraction=1e-12)
