@@ -8,8 +8,13 @@
 
 The scheduler (plain Python) decides which tokens run; the runner gathers their pages, runs THE
 model step and samples. Per-request settings (sampling values, seed, max_new_tokens, stop
-strings) are per-row data: requests with different settings share a step. So far the engine
-serves the full cache (no KV policy) in float32 or bfloat16 storage; the others raise ValueError.
+strings) are per-row data: requests with different settings share a step.
+
+A KV policy that selects once, after the prompt (SnapKV, PyramidKV, Ada-KV, Quantile), is a
+per-request setting: the step that ends a prompt runs with the policy (its window votes and its
+selection), then each head's kept tokens move into the fewest pages and the rest go back to the
+pool. Evicting policies (StreamingLLM, H2O), EffiCache, the segment rebuild and fp8 storage
+raise ValueError for now.
 """
 
 from __future__ import annotations
@@ -18,18 +23,32 @@ import dataclasses
 import itertools
 import time
 
+import jax
 import numpy as np
 
 from jkv.core.sampling import SamplingArrays
 from jkv.engine.page_pool import PagePool
-from jkv.engine.runner import bucket, empty_pool, pack, paged_step, pool_bytes, write_pages
+from jkv.engine.runner import (
+    bucket,
+    compaction_moves,
+    copy_slots,
+    empty_pool,
+    pack,
+    paged_step,
+    pool_bytes,
+    write_pages,
+)
 from jkv.engine.scheduler import Scheduler
-from jkv.engine.sequence import Sequence
+from jkv.engine.sequence import Sequence, Status
 from jkv.limits import available_bytes
 from jkv.output import RowOutput
 from jkv.params import Params
+from jkv.policies import resolve
+from jkv.policies.base import KVPolicy
 from jkv.prompt import prompt_ids
 from jkv.request import Request
+
+SERVED = "snapkv, pyramidkv, adakv, quantile"
 
 
 @dataclasses.dataclass
@@ -163,10 +182,7 @@ class Engine:
             fit in the pool, or a setting the engine does not serve yet (kv_policy).
         """
         req = Request.build(self.params, **settings)
-        if req.policy is not None:
-            raise ValueError(
-                f"kv_policy={settings.get('kv_policy')!r}: not served by the engine yet"
-            )
+        self._check_policy(req.policy)
         if req.stop and self.params.tokenizer is None:
             raise ValueError(f"stop={req.stop!r}: stop strings need a model with a tokenizer")
         if req.kv_dtype not in (None, self.kv_dtype) or req.backend != self.backend:
@@ -199,11 +215,41 @@ class Engine:
             eos_ids=self.eos_ids,
             extra_keys=(self.params.version, self.kv_dtype, cache_salt),
         )
+        if req.policy is not None:
+            layers, kept = self.params.config.num_layers, req.policy.budget_tokens(len(ids))
+            most = max(req.policy.layer_budget(i, layers, kept) for i in range(layers))
+            seq.compresses, seq.window = True, getattr(req.policy, "window", 0)
+            seq.keep = min(len(ids), most) + req.max_new_tokens
         self.scheduler.add(seq)
         self._requests[rid] = req
         tok = self.params.tokenizer
         self._rows[rid] = _Row(RowOutput(tok, req.stop) if tok is not None else None)
         return rid
+
+    def _check_policy(self, policy) -> None:
+        """The policies the engine serves: those that select once, after the prompt."""
+        if policy is None:
+            return
+        if policy.evicts or policy.raw_keys or policy.needs_sensitivity or policy.wants_mass:
+            raise ValueError(
+                f"kv_policy={policy.name!r}: not served by the engine yet (it serves the full "
+                f"cache and the policies that compress once, after the prompt: {SERVED})"
+            )
+        if type(policy).rebuild is not KVPolicy.rebuild:
+            raise ValueError(
+                f"kv_policy={policy.name!r}: the segment rebuild runs on the one-shot path "
+                f"(jkv.generate) only; the engine serves {SERVED}"
+            )
+        window = getattr(policy, "window", 0)
+        room = min(
+            self.scheduler.chunk, self.scheduler.token_budget - self.scheduler.max_running + 1
+        )
+        if window > room:
+            raise ValueError(
+                f"kv_policy={policy.name!r} window={window}: its observation window must run in "
+                f"one step, at most {room} tokens here (chunk={self.scheduler.chunk}, "
+                f"token_budget={self.scheduler.token_budget} less one per other running request)"
+            )
 
     def abort(self, request_id: str) -> bool:
         """Stops a request; its pages go back to the pool. False if it is not in the engine."""
@@ -216,13 +262,18 @@ class Engine:
         token (or finished) in it."""
         plan = self.scheduler.schedule()
         sampled: dict[str, int] = {}
-        decode = [r for r in plan.scheduled if r.n == 1]
-        prefill = [r for r in plan.scheduled if r.n > 1]
-        for rows in (decode, prefill):
-            if rows:
-                sampled.update(self._run(rows))
+        kept: dict[str, tuple] = {}  # what a policy keeps of prompts that end in this step
+        groups: dict[object, list] = {}  # decodes, then prefill chunks by the policy they feed
+        for r in plan.scheduled:
+            key = self._policy_key(r)
+            groups.setdefault((key is None and r.n == 1, key), []).append(r)
+        for (_, key), rows in groups.items():
+            sampled.update(self._run(rows, key, kept))
         cached = {r.seq.request_id: r.seq.num_cached for r in plan.scheduled}  # before any frees
         finished = {s.request_id for s in self.scheduler.finish_step(plan, sampled)}
+        for r in plan.scheduled:
+            if r.seq.status is Status.RUNNING and r.seq.awaits_compression:
+                self._compress(r.seq, *kept[r.seq.request_id])
         outs = []
         for r in plan.scheduled:
             rid = r.seq.request_id
@@ -240,45 +291,88 @@ class Engine:
                 self._rows.pop(rid, None)
         return outs
 
-    def _run(self, rows) -> dict[str, int]:
+    def _policy_key(self, r):
+        """The policy a prefill chunk feeds: the request's, until its prompt is compressed."""
+        policy = self._requests[r.seq.request_id].policy
+        compressing = policy is not None and r.seq.prefilling and not r.seq.compressed
+        return policy.jit_key() if compressing else None
+
+    def _run(self, rows, policy, kept) -> dict[str, int]:
         cfg = self.params.config
         tables, held, tokens, n_new, start = pack(
             rows, cfg.num_layers, cfg.num_kv_heads, self.pool.page_size, self.scheduler.chunk
         )
         b = len(n_new)
         reqs = [self._requests[r.seq.request_id] for r in rows]
+        budgets = np.zeros((b,), np.int32)
+        if policy is not None:
+            budgets[: len(rows)] = [
+                q.policy.budget_tokens(len(r.seq.prompt)) for q, r in zip(reqs, rows, strict=True)
+            ]
         reqs += [reqs[0]] * (b - len(rows))  # padding rows sample and are ignored
         sampling = SamplingArrays.build([q.sampling for q in reqs], [q.seed for q in reqs])
         index = np.zeros((b,), np.int32)
         index[: len(rows)] = [len(r.seq.output) for r in rows]
-        tok, writes = paged_step(
+        tok, writes, *selection = paged_step(
             self.params.weights, cfg, self.device, tables, held, tokens, n_new, start, sampling,
-            index, backend=self.backend, dtype=self.kv_dtype,
+            index, budgets, backend=self.backend, dtype=self.kv_dtype, policy=policy,
         )  # fmt: skip
         self.device = write_pages(self.device, writes)
+        ending = [i for i, r in enumerate(rows) if r.start + r.n == len(r.seq.prompt)]
+        if selection and ending:
+            order, counts = (np.asarray(x) for x in selection[0])
+            for i in ending:
+                kept[rows[i].seq.request_id] = (order[i], counts[i].reshape(-1).tolist())
         tok = np.asarray(tok)
         return {r.seq.request_id: int(tok[i]) for i, r in enumerate(rows) if r.samples}
 
-    def warmup(self) -> float:
+    def _compress(self, seq, order, counts) -> None:
+        """The policy's selection made physical: each head's kept tokens move into the fewest
+        pages (`Scheduler.compress`), the rest go back to the pool."""
+        moves = self.scheduler.compress_or_preempt(seq, counts)
+        if moves is None:
+            return  # preempted for lack of pages: recomputed later
+        arrays = compaction_moves(
+            moves, counts, order, self.pool.page_size, self.params.config.num_kv_heads,
+            self.pool.num_pages,
+        )  # fmt: skip
+        self.device = copy_slots(self.device, arrays)
+
+    def warmup(self, kv_policies=()) -> float:
         """Compiles every step shape a request can need (rows: powers of two up to
         max_running; new tokens: 1 or the chunk; pages per head: powers of two up to
-        max_model_len's), so that no request compiles later. Returns the seconds it took."""
+        max_model_len's), for the full cache and for each of `kv_policies` (names or
+        `jkv.policies.KVPolicy` objects; budgets do not matter, they are data), and every
+        compaction size, so that no request compiles later. Returns the seconds it took."""
         t0 = time.perf_counter()
         cfg = self.params.config
         page = self.pool.page_size
         rows = [1 << i for i in range(bucket(self.scheduler.max_running).bit_length())]
         pages = [1 << i for i in range(bucket(-(-self.max_model_len // page)).bit_length())]
+        keys = [None]
+        for p in kv_policies:
+            policy = resolve(p, None) if isinstance(p, str) else p
+            self._check_policy(policy)
+            keys.append(policy.jit_key())
         probe = self._requests_probe()
-        for b, t, m in itertools.product(rows, (1, self.scheduler.chunk), pages):
+        heads = (cfg.num_layers, cfg.num_kv_heads)
+        for key, b, t, m in itertools.product(keys, rows, (1, self.scheduler.chunk), pages):
             z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
             sampling = SamplingArrays.build([probe.sampling] * b, [probe.seed] * b)
-            tok, writes = paged_step(
-                self.params.weights, cfg, self.device, z(b, cfg.num_layers, cfg.num_kv_heads, m),
-                z(b, cfg.num_layers, cfg.num_kv_heads), z(b, t), z(b), z(b), sampling, z(b),
-                backend=self.backend, dtype=self.kv_dtype,
+            tok, writes, *_ = paged_step(
+                self.params.weights, cfg, self.device, z(b, *heads, m), z(b, *heads), z(b, t),
+                z(b), z(b), sampling, z(b), z(b), backend=self.backend, dtype=self.kv_dtype,
+                policy=key,
             )  # fmt: skip
             self.device = write_pages(self.device, writes)  # nothing written: n_new is 0
             tok.block_until_ready()
+        if len(keys) > 1:  # compactions move up to every token of a request's heads
+            most = bucket(cfg.num_layers * cfg.num_kv_heads * self.max_model_len)
+            for n in (1 << i for i in range(most.bit_length())):
+                idle = np.zeros(n, np.int32), np.full(n, self.pool.num_pages, np.int32)
+                arrays = (idle[0], idle[0], idle[0], idle[1], idle[0])  # every write dropped
+                self.device = copy_slots(self.device, arrays)
+        jax.block_until_ready(self.device)
         return time.perf_counter() - t0
 
     def _requests_probe(self) -> Request:

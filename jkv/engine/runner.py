@@ -24,6 +24,7 @@ import numpy as np
 from jkv import kv as kvlib
 from jkv.core.sampling import SamplingArrays, sample
 from jkv.core.step import model_step, next_positions
+from jkv.policies.base import Context
 from jkv_kernels import gather_pages, scatter_set
 from jkv_models.config import ModelConfig
 
@@ -59,7 +60,7 @@ def pool_bytes(config: ModelConfig, num_pages: int, page_size: int, dtype: str) 
     return config.num_layers * num_pages * page_size * per_token
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backend", "dtype"))
+@functools.partial(jax.jit, static_argnames=("config", "backend", "dtype", "policy"))
 def paged_step(
     weights,
     config: ModelConfig,
@@ -71,9 +72,11 @@ def paged_step(
     start,
     sampling: SamplingArrays,
     sample_index,
+    budgets=None,
     *,
     backend: str,
     dtype: str,
+    policy=None,
 ):
     """One model step over B rows of the pool.
 
@@ -83,22 +86,30 @@ def paged_step(
       tokens: `[B, T]` int32, row b's first `n_new[b]` real; `start`: `[B]` int32 text
         position of `tokens[:, 0]`.
       sampling, sample_index: per-row settings and the index of the token each row samples.
+      budgets: `[B]` int32 prompt tokens each row keeps (`policy.row_budgets`), with `policy`.
+      policy: a compressing KV policy's `jit_key()` (it observes the step, SnapKV's window
+        votes, and selects what each row would keep), or None.
 
     Returns:
       (`[B]` int32 sampled tokens (meaningful for rows whose step reaches their last known
-      token), the writes for `write_pages`).
+      token), the writes for `write_pages`, and with a policy (each head's slots in slot
+      order, kept ones first: `[B, L, K, S]` int32; kept per head `[B, L, K]` int32), what
+      rows whose prompt ends in this step keep).
     """
     b, t = tokens.shape
     page = pool.page_size
+    observes = policy is not None and policy.observes
     layers = []
     for layer in range(config.num_layers):
         tab = tables[:, layer]
+        k = gather_pages(pool.k[layer], tab)
         layers.append(
             kvlib.LayerKV(
-                k=gather_pages(pool.k[layer], tab),
+                k=k,
                 v=gather_pages(pool.v[layer], tab),
                 lengths=held[:, layer],
                 positions=gather_pages(pool.positions[layer], tab),
+                scores=jnp.zeros(k.shape[:3], jnp.float32) if observes else None,
             )
         )
     kv = kvlib.KVState(
@@ -114,6 +125,7 @@ def paged_step(
         tokens,
         next_positions(kv, t),
         n_new,
+        policy=policy,
         backend=backend,
         logits_at=jnp.maximum(n_new - 1, 0),
     )
@@ -134,7 +146,68 @@ def paged_step(
         ))  # fmt: skip
     new_k, new_v, new_pos = (jnp.stack(x, axis=1) for x in zip(*new, strict=True))  # [B, L, ...]
     tok = sample(logits, sampling, sample_index)
-    return tok, (pages, slots % page, new_k, new_v, new_pos)
+    writes = (pages, slots % page, new_k, new_v, new_pos)
+    if policy is None:
+        return tok, writes
+    return tok, writes, kept_slots(policy, kv, config.num_layers, n_new, budgets, start)
+
+
+def kept_slots(policy, kv: kvlib.KVState, num_layers: int, n_new, budgets, start):
+    """What `policy` keeps of each row whose whole prompt is in `kv` (the step's dense copy):
+    per head, its slots with the kept ones first, in slot order `[B, L, K, S]`, and how many
+    are kept `[B, L, K]`."""
+    ctx = Context(
+        prompt_lengths=start + n_new,
+        budgets=budgets,
+        now=start + n_new - 1,
+        num_layers=num_layers,
+    )
+    order, counts = [], []
+    for i, layer in enumerate(kv.layers):
+        keep = policy.keep(i, layer, ctx)  # [B, K, S]
+        order.append(jnp.argsort(~keep, axis=-1, stable=True).astype(jnp.int32))
+        counts.append(jnp.sum(keep, axis=-1, dtype=jnp.int32))
+    return jnp.stack(order, axis=1), jnp.stack(counts, axis=1)
+
+
+@functools.partial(jax.jit, donate_argnames=("pool",))
+def copy_slots(pool: PagedKV, moves) -> PagedKV:
+    """Copies tokens between pages, in place: (layer, source page, offset, destination page,
+    offset), each `[N]` int32; destinations out of range are dropped (padding). Every source
+    is read before any destination is written, so a head may compact into its own pages."""
+    layer, src, src_off, dst, dst_off = moves
+    at = (layer, dst, dst_off)
+    return PagedKV(
+        k=scatter_set(pool.k, at, pool.k[layer, src, src_off]),
+        v=scatter_set(pool.v, at, pool.v[layer, src, src_off]),
+        positions=pool.positions.at[at].set(pool.positions[layer, src, src_off], mode="drop"),
+    )
+
+
+def compaction_moves(moves, kept, order, page_size: int, num_kv_heads: int, num_pages: int):
+    """`copy_slots`'s arrays for one row: `moves` (old table, new table) per head from
+    `Scheduler.compress`, `kept` tokens per head, `order` `[L, K, S]` its kept slots first
+    (numpy). Tokens already in place are skipped; the arrays are padded to a power of two with
+    dropped writes."""
+    cols = [[] for _ in range(5)]
+    for h, (old, new) in enumerate(moves):
+        layer, head = divmod(h, num_kv_heads)
+        src = np.asarray(order[layer, head, : kept[h]], np.int64)
+        dst = np.arange(len(src))
+        old_pages = np.asarray(old, np.int64)[np.minimum(src // page_size, len(old) - 1)]
+        new_pages = np.asarray(new, np.int64)[dst // page_size]
+        moved = (old_pages != new_pages) | (src % page_size != dst % page_size)
+        for col, x in zip(cols, (np.full(len(src), layer), old_pages, src % page_size,
+                                 new_pages, dst % page_size), strict=True):  # fmt: skip
+            col.append(x[moved])
+    n = sum(len(x) for x in cols[0])
+    size = bucket(n)
+    out = []
+    for j, col in enumerate(cols):
+        x = np.concatenate(col) if col else np.zeros(0, np.int64)
+        pad = num_pages if j == 3 else 0  # a destination page out of range: dropped
+        out.append(np.concatenate([x, np.full(size - n, pad)]).astype(np.int32))
+    return tuple(out)
 
 
 @functools.partial(jax.jit, donate_argnames=("pool",))

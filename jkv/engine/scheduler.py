@@ -86,6 +86,8 @@ class Scheduler:
         if not seq.prompt:
             raise ValueError("the prompt is empty: expected at least one token")
         need = self.pages_for(len(seq.prompt) + seq.max_tokens)
+        if seq.compresses:  # the whole prompt, and the kept tokens' pages beside it
+            need = max(need, self.pages_for(len(seq.prompt)) + self.pages_for(seq.keep))
         if need > self.pool.usable:
             raise ValueError(
                 f"a prompt of {len(seq.prompt)} tokens plus max_tokens={seq.max_tokens} needs "
@@ -154,11 +156,14 @@ class Scheduler:
 
     def _take_prefix(self, seq: Sequence) -> None:
         """Starts an admission from the longest cached prefix of the prompt (never the whole
-        prompt: its last token must run to give the first logits)."""
+        prompt: its last token must run to give the first logits; nor a compressing policy's
+        observation window)."""
         page = self.pool.page_size
         if not seq.cacheable:
             return
-        hashes = block_hashes(seq.prompt[: len(seq.prompt) - 1], page, seq.extra_keys)
+        # A compressing policy's window of queries must run (not come from the cache).
+        tail = max(1, min(seq.window, len(seq.prompt))) if seq.compresses else 1
+        hashes = block_hashes(seq.prompt[: len(seq.prompt) - tail], page, seq.extra_keys)
         groups = self.pool.lookup(hashes)
         for group in groups:
             for table, p in zip(seq.heads, group, strict=True):
@@ -169,6 +174,21 @@ class Scheduler:
 
     # ------------------------------------------------------------------ steps
 
+    def _chunk_for(self, seq: Sequence, budget: int) -> int:
+        """Tokens of `seq` for this step: at most a chunk and the budget left. A sequence whose
+        policy compresses its prompt stops a step at the prompt's end (compression happens
+        there, before its generated tokens are written) and leaves its last prompt step at
+        least the policy's window (SnapKV's observation queries vote in one step); 0 when that
+        cannot be met this step."""
+        n = min(seq.to_compute, budget, self.chunk)
+        if not (seq.compresses and seq.prefilling):
+            return n
+        rest = len(seq.prompt) - seq.num_computed
+        window = min(seq.window, len(seq.prompt))
+        if n >= rest:
+            return rest
+        return n if rest - n >= window else max(0, rest - window)
+
     def schedule(self) -> StepPlan:
         """The next step: running sequences first, then admissions, within the token budget."""
         budget = self.token_budget
@@ -177,7 +197,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.to_compute, budget, self.chunk)
+            n = self._chunk_for(seq, budget)
+            if n == 0:  # its policy's window does not fit in what is left of this step
+                i += 1
+                continue
             while not self._grow(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -194,9 +217,9 @@ class Scheduler:
             if preempted and seq in preempted:
                 break  # freed this very step for lack of pages: not back before the next one
             self._take_prefix(seq)
-            n = min(seq.to_compute, budget, self.chunk)
+            n = self._chunk_for(seq, budget)
             new_pages = self.pages_for(seq.num_computed + n) - self.pages_for(seq.num_computed)
-            if not self.pool.can_admit(new_pages) or not self._grow(seq, n):
+            if n == 0 or not self.pool.can_admit(new_pages) or not self._grow(seq, n):
                 self._free(seq)  # gives the prefix back; the next step tries again
                 break
             self.waiting.popleft()
@@ -253,23 +276,45 @@ class Scheduler:
         seq.published = full
 
     def compress(self, seq: Sequence, kept: list[int]) -> list[tuple[list[int], list[int]]]:
-        """A KV policy kept `kept[h]` tokens of head h: each head gets fresh pages for them
-        (copy on write: its old pages may be shared with the prefix cache), the old ones go
-        back. Returns (old table, new table) per head for the runner to copy the kept tokens.
-        Raises OutOfPages, changing nothing, if the pool cannot hold the new pages."""
+        """A KV policy kept `kept[h]` tokens of head h (its slots in order): each head's table
+        shrinks to the pages they fill. A page the sequence alone holds and the prefix cache
+        does not know is reused in place (the runner reads every kept token before it writes);
+        a shared or cached one is copied on write into a fresh page. The rest go back.
+
+        Returns (old table, new table) per head for the runner's copy. Raises OutOfPages,
+        changing nothing, if the pool cannot give the fresh pages."""
         if len(kept) != self.heads or any(
             not 0 <= k <= h for k, h in zip(kept, seq.held, strict=False)
         ):
             raise ValueError(f"kept={kept}: expected {self.heads} counts, each <= held")
         page = self.pool.page_size
-        need = [-(-k // page) for k in kept]
-        fresh = iter(self.pool.allocate(sum(need)))
+        plans = []  # per head: the new table, None where a fresh page goes
+        for table, k in zip(seq.heads, kept, strict=True):
+            plans.append([
+                p if self.pool.refs[p] == 1 and not self.pool.is_cached(p) else None
+                for p in table[: -(-k // page)]
+            ])  # fmt: skip
+        fresh = iter(self.pool.allocate(sum(t.count(None) for t in plans)))
         moves = []
-        for h, k in enumerate(need):
-            new = [next(fresh) for _ in range(k)]
+        for h, plan in enumerate(plans):
+            new = [next(fresh) if p is None else p for p in plan]
             moves.append((seq.heads[h], new))
             seq.heads[h] = new
-        self.pool.release([p for old, _ in moves for p in old])
+        reused = {p for _, new in moves for p in new}
+        self.pool.release([p for old, _ in moves for p in old if p not in reused])
         seq.held = list(kept)
         seq.compressed, seq.shared_blocks = True, 0
         return moves
+
+    def compress_or_preempt(self, seq: Sequence, kept: list[int]):
+        """`compress`, preempting the newest other running sequences while the pool lacks the
+        fresh pages; with none left to preempt, `seq` itself waits to be recomputed. Returns the
+        moves, or None if `seq` was preempted."""
+        while True:
+            try:
+                return self.compress(seq, kept)
+            except OutOfPages:
+                victim = next((s for s in reversed(self.running) if s is not seq), seq)
+                self._preempt(victim)
+                if victim is seq:
+                    return None

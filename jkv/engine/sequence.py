@@ -34,6 +34,9 @@ class Sequence:
     held: list[int] = dataclasses.field(default_factory=list)  # tokens stored per head
     shared_blocks: int = 0  # leading blocks whose pages belong to the prefix cache
     published: int = 0  # leading prompt blocks this sequence has published
+    compresses: bool = False  # a KV policy compresses its prompt once it is in the pages
+    window: int = 0  # prompt tokens the policy's last prefill step must hold (SnapKV's window)
+    keep: int = 0  # tokens a head holds at most once compressed, generated ones included
     compressed: bool = False
     finish_reason: str | None = None
     preemptions: int = 0
@@ -54,6 +57,11 @@ class Sequence:
     @property
     def prefilling(self) -> bool:
         return self.num_computed < len(self.prompt)
+
+    @property
+    def awaits_compression(self) -> bool:
+        """Its whole prompt is in the pages and its policy has not compressed it yet."""
+        return self.compresses and not self.compressed and self.num_computed >= len(self.prompt)
 
     def pages(self) -> list[int]:
         return [p for table in self.heads for p in table]

@@ -1,0 +1,135 @@
+"""KV policies in jkv.Engine: a policy that compresses once, after the prompt, runs on the
+engine's pages and gives the tokens `jkv.generate` gives that request alone (float32), and its
+compression frees pages: each (layer, kv head) keeps only the pages its kept tokens fill."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+import jkv
+from jkv.engine.engine import Engine
+from jkv.engine.runner import copy_slots, paged_step, write_pages
+from jkv.policies import AdaKV, PyramidKV, Quantile, SnapKV
+
+
+@pytest.fixture(scope="module")
+def demo(tiny_params):
+    return tiny_params("llama")
+
+
+def alone(params, ids, **settings):
+    return list(jkv.generate(params, ids, **settings).tokens)
+
+
+POLICIES = {
+    "snapkv": SnapKV(budget=12, window=8, kernel=3, pool="max"),
+    "pyramidkv": PyramidKV(budget=0.3, window=8),
+    "adakv": AdaKV(budget=0.25, window=8),
+    "quantile": Quantile(q=0.6, window=4),
+}
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_compressed_requests_arriving_at_random_steps_match_generate_alone(demo, name):
+    """Five requests, some with the policy and some with the full cache, arriving while others
+    decode, in a pool small enough to preempt: each gives generate's tokens alone, and a
+    compressed request holds only the pages of what it kept."""
+    policy = POLICIES[name]
+    rng = random.Random(list(POLICIES).index(name))
+    engine = Engine(demo, num_pages=121, page_size=4, token_budget=32, chunk=16, max_running=3)
+    prompts = [[rng.randrange(3, demo.config.vocab_size) for _ in range(rng.randint(33, 60))]
+               for _ in range(5)]  # fmt: skip
+    settings = [dict(kv_policy=policy) if i % 4 != 1 else {} for i in range(5)]
+    pending = list(range(5))
+    got, seen_compressed = {}, False
+    while pending or engine.has_work:
+        for _ in range(rng.randint(0, 2)):
+            if pending:
+                i = pending.pop(0)
+                got[engine.add_request(prompts[i], max_new_tokens=6, **settings[i])] = (i, [])
+        for out in engine.step():
+            got[out.request_id][1].extend(out.new_tokens)
+        for seq in engine.scheduler.running:
+            if seq.compressed:  # each head holds the pages its kept tokens fill, no more
+                seen_compressed = True
+                ps = engine.pool.page_size
+                assert [len(t) for t in seq.heads] == [-(-h // ps) for h in seq.held]
+        engine.pool.check()
+    assert seen_compressed and engine.pool.used_pages == 0
+    for i, toks in got.values():
+        assert toks == alone(demo, prompts[i], max_new_tokens=6, **settings[i]), (name, i)
+
+
+def test_compression_frees_pages_per_head(demo):
+    """SnapKV keeping 25% of a 64-token prompt: every head drops from 16 pages to the pages of
+    its kept tokens, and the pool gets the rest back before decoding starts."""
+    engine = Engine(demo, num_pages=200, page_size=4, token_budget=64, chunk=64)
+    rng = random.Random(2)
+    prompt = [rng.randrange(3, demo.config.vocab_size) for _ in range(64)]
+    rid = engine.add_request(prompt, max_new_tokens=3, kv_policy="snapkv", kv_budget=16)
+    engine.step()  # the whole prompt, then the compression
+    seq = engine.scheduler.by_id[rid]
+    heads = demo.config.num_layers * demo.config.num_kv_heads
+    assert seq.compressed and seq.held == [16] * heads
+    assert engine.pool.used_pages == heads * 4  # 16 kept tokens: 4 pages per head (was 16)
+    rest = []
+    while engine.has_work:
+        rest += [t for o in engine.step() for t in o.new_tokens]
+    assert len(rest) == 2 and engine.pool.used_pages == 0
+
+
+def test_a_compressed_request_may_start_from_cached_pages(demo):
+    """A prompt whose first blocks are in the prefix cache: the policy's window still runs, the
+    shared pages are copied, not written, and the tokens are generate's."""
+    rng = random.Random(6)
+    prompt = [rng.randrange(3, demo.config.vocab_size) for _ in range(48)]
+    engine = Engine(demo, num_pages=200, page_size=4, token_budget=64, chunk=32)
+    engine.generate([prompt[:40]], max_new_tokens=2)  # publishes 10 blocks
+    rid = engine.add_request(prompt, max_new_tokens=5, kv_policy="snapkv", kv_budget=0.25)
+    toks, cached = [], None
+    while engine.has_work:
+        for out in engine.step():
+            toks += out.new_tokens
+            cached = out.cached_tokens if cached is None else cached
+    # SnapKV's window (32 queries) runs: the cache gives at most the 16 tokens before it
+    assert cached == 16
+    assert toks == alone(demo, prompt, max_new_tokens=5, kv_policy="snapkv", kv_budget=0.25)
+    assert engine.pool.cached_idle_pages > 0 and rid
+
+
+def test_no_step_compiles_after_warmup_with_policies(demo):
+    engine = Engine(demo, num_pages=64, page_size=8, chunk=16, max_running=1, max_model_len=32)
+    engine.warmup(kv_policies=[SnapKV(window=8), AdaKV(window=8)])
+    before = paged_step._cache_size(), write_pages._cache_size(), copy_slots._cache_size()
+    rng = random.Random(1)
+    for policy in (SnapKV(budget=0.5, window=8), AdaKV(budget=5, window=8), None):
+        prompts = [[rng.randrange(3, 100) for _ in range(rng.randint(9, 20))] for _ in range(3)]
+        engine.generate(prompts, max_new_tokens=4, kv_policy=policy)
+    after = paged_step._cache_size(), write_pages._cache_size(), copy_slots._cache_size()
+    assert after == before
+
+
+def test_policies_the_engine_does_not_serve_get_clear_errors(demo):
+    engine = Engine(demo, num_pages=64, page_size=8, chunk=16)
+    for name in ("streaming", "h2o", "efficache", "snapkv_segments"):
+        with pytest.raises(ValueError, match=f"kv_policy='{name}'"):
+            engine.add_request([5, 6, 7], kv_policy=name, kv_budget=8)
+    with pytest.raises(ValueError, match="window=32: its observation window must run in one"):
+        engine.add_request([5, 6, 7], kv_policy="snapkv", kv_budget=8)
+    assert not engine.has_work and engine.pool.used_pages == 0
+
+
+def test_compaction_moves_skip_tokens_in_place():
+    from jkv.engine.runner import compaction_moves
+
+    order = np.array([[[1, 2, 5, 0, 3, 4, 6, 7]]])  # one layer, one head: keeps slots 1, 2, 5
+    moves = [([7, 8], [7])]  # two pages of 4 -> the first one, reused
+    layer, src, src_off, dst, dst_off = compaction_moves(moves, [3], order, 4, 1, 50)
+    live = dst < 50
+    assert list(zip(src[live], src_off[live], dst[live], dst_off[live], strict=True)) == [
+        (7, 1, 7, 0), (7, 2, 7, 1), (8, 1, 7, 2)
+    ]  # fmt: skip
+    assert len(dst) == 4 and list(dst[~live]) == [50]
