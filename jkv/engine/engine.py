@@ -13,8 +13,9 @@ strings) are per-row data: requests with different settings share a step.
 A KV policy that selects once, after the prompt (SnapKV, PyramidKV, Ada-KV, Quantile), is a
 per-request setting: the step that ends a prompt runs with the policy (its window votes and its
 selection), then each head's kept tokens move into the fewest pages and the rest go back to the
-pool. Evicting policies (StreamingLLM, H2O), EffiCache, the segment rebuild and fp8 storage
-raise ValueError for now.
+pool. Evicting policies (StreamingLLM, H2O), EffiCache and the segment rebuild raise ValueError
+for now. The kv dtype (float32, bfloat16, or fp8 with a bfloat16 scale per token) is one per
+engine.
 """
 
 from __future__ import annotations
@@ -113,8 +114,6 @@ class Engine:
             )
         probe = Request.build(params, kv_dtype=kv_dtype, backend=backend)
         self.kv_dtype = probe.kv_dtype or params.kv_dtype
-        if self.kv_dtype == "float8_e4m3fn":
-            raise ValueError("kv_dtype='float8_e4m3fn' is not served by the engine yet")
         self.backend = probe.backend
         self.params = params
         cfg = params.config

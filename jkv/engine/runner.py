@@ -35,6 +35,8 @@ class PagedKV:
     k: jax.Array  # [L, P, page_size, H] storage dtype
     v: jax.Array  # [L, P, page_size, H]
     positions: jax.Array  # [L, P, page_size] int32 text position of every token
+    k_scale: jax.Array | None = None  # [L, P, page_size] bfloat16, fp8 storage only
+    v_scale: jax.Array | None = None
 
     @property
     def page_size(self) -> int:
@@ -47,17 +49,27 @@ class PagedKV:
 
 def empty_pool(config: ModelConfig, num_pages: int, page_size: int, dtype: str) -> PagedKV:
     shape = (config.num_layers, num_pages, page_size, config.head_dim)
+    fp8 = dtype == "float8_e4m3fn"
     return PagedKV(
         k=jnp.zeros(shape, dtype),
         v=jnp.zeros(shape, dtype),
         positions=jnp.zeros(shape[:3], jnp.int32),
+        k_scale=jnp.ones(shape[:3], kvlib.SCALE_DTYPE) if fp8 else None,
+        v_scale=jnp.ones(shape[:3], kvlib.SCALE_DTYPE) if fp8 else None,
     )
 
 
 def pool_bytes(config: ModelConfig, num_pages: int, page_size: int, dtype: str) -> int:
-    """Device bytes of a pool (K, V and positions)."""
+    """Device bytes of a pool (K, V, positions and, under fp8, a scale per token of each)."""
     per_token = 2 * config.head_dim * jnp.dtype(dtype).itemsize + 4
+    if dtype == "float8_e4m3fn":
+        per_token += 2 * jnp.dtype(kvlib.SCALE_DTYPE).itemsize
     return config.num_layers * num_pages * page_size * per_token
+
+
+def _scaled(pool: PagedKV) -> tuple[str, ...]:
+    """The per-token arrays of the pool besides K and V: positions, and fp8 scales."""
+    return ("positions",) if pool.k_scale is None else ("positions", "k_scale", "v_scale")
 
 
 @functools.partial(jax.jit, static_argnames=("config", "backend", "dtype", "policy"))
@@ -108,8 +120,8 @@ def paged_step(
                 k=k,
                 v=gather_pages(pool.v[layer], tab),
                 lengths=held[:, layer],
-                positions=gather_pages(pool.positions[layer], tab),
                 scores=jnp.zeros(k.shape[:3], jnp.float32) if observes else None,
+                **{name: gather_pages(getattr(pool, name)[layer], tab) for name in _scaled(pool)},
             )
         )
     kv = kvlib.KVState(
@@ -142,11 +154,11 @@ def paged_step(
         new.append((
             jnp.take_along_axis(dense.k, idx[..., None], axis=2),  # [B, K, T, H]
             jnp.take_along_axis(dense.v, idx[..., None], axis=2),
-            jnp.take_along_axis(dense.positions, idx, axis=2),
+            *(jnp.take_along_axis(getattr(dense, n), idx, axis=2) for n in _scaled(pool)),
         ))  # fmt: skip
-    new_k, new_v, new_pos = (jnp.stack(x, axis=1) for x in zip(*new, strict=True))  # [B, L, ...]
+    new = tuple(jnp.stack(x, axis=1) for x in zip(*new, strict=True))  # [B, L, ...]
     tok = sample(logits, sampling, sample_index)
-    writes = (pages, slots % page, new_k, new_v, new_pos)
+    writes = (pages, slots % page, *new)
     if policy is None:
         return tok, writes
     return tok, writes, kept_slots(policy, kv, config.num_layers, n_new, budgets, start)
@@ -177,11 +189,11 @@ def copy_slots(pool: PagedKV, moves) -> PagedKV:
     is read before any destination is written, so a head may compact into its own pages."""
     layer, src, src_off, dst, dst_off = moves
     at = (layer, dst, dst_off)
-    return PagedKV(
-        k=scatter_set(pool.k, at, pool.k[layer, src, src_off]),
-        v=scatter_set(pool.v, at, pool.v[layer, src, src_off]),
-        positions=pool.positions.at[at].set(pool.positions[layer, src, src_off], mode="drop"),
-    )
+    names = ("k", "v", *_scaled(pool))
+    return dataclasses.replace(
+        pool, **{n: scatter_set(getattr(pool, n), at, getattr(pool, n)[layer, src, src_off])
+                 for n in names},
+    )  # fmt: skip
 
 
 def compaction_moves(moves, kept, order, page_size: int, num_kv_heads: int, num_pages: int):
@@ -213,16 +225,17 @@ def compaction_moves(moves, kept, order, page_size: int, num_kv_heads: int, num_
 @functools.partial(jax.jit, donate_argnames=("pool",))
 def write_pages(pool: PagedKV, writes) -> PagedKV:
     """Writes a step's new tokens into their pages, in place: (pages, offsets `[B, L, K, T]`,
-    K, V `[B, L, K, T, H]`, positions `[B, L, K, T]`); out-of-range pages are dropped. A jit
-    of its own: in the same program as the gathers that read the pool, XLA copies the whole
-    pool around the update (measured: 37 ms against 6 ms per step for a 4,096-page pool)."""
-    pages, offsets, new_k, new_v, new_pos = writes
+    K, V `[B, L, K, T, H]`, positions (and fp8 scales) `[B, L, K, T]`); out-of-range pages are
+    dropped. A jit of its own: in the same program as the gathers that read the pool, XLA
+    copies the whole pool around the update (measured: 37 ms against 6 ms per step for a
+    4,096-page pool)."""
+    pages, offsets, *values = writes
     layer = jnp.broadcast_to(jnp.arange(pages.shape[1])[None, :, None, None], pages.shape)
     at = (layer, pages, offsets)
-    return PagedKV(
-        k=scatter_set(pool.k, at, new_k),
-        v=scatter_set(pool.v, at, new_v),
-        positions=pool.positions.at[at].set(new_pos, mode="drop"),
+    names = ("k", "v", *_scaled(pool))
+    return dataclasses.replace(
+        pool,
+        **{n: scatter_set(getattr(pool, n), at, x) for n, x in zip(names, values, strict=True)},
     )
 
 

@@ -29,6 +29,7 @@ POLICIES = {
     "pyramidkv": PyramidKV(budget=0.3, window=8),
     "adakv": AdaKV(budget=0.25, window=8),
     "quantile": Quantile(q=0.6, window=4),
+    "snapkv_fp8": None,
 }
 
 
@@ -37,12 +38,16 @@ def test_compressed_requests_arriving_at_random_steps_match_generate_alone(demo,
     """Five requests, some with the policy and some with the full cache, arriving while others
     decode, in a pool small enough to preempt: each gives generate's tokens alone, and a
     compressed request holds only the pages of what it kept."""
-    policy = POLICIES[name]
+    policy, kv_dtype = POLICIES[name], "float32"
+    if name == "snapkv_fp8":  # the kept tokens' fp8 scales move with them
+        policy, kv_dtype = POLICIES["snapkv"], "float8_e4m3fn"
     rng = random.Random(list(POLICIES).index(name))
-    engine = Engine(demo, num_pages=121, page_size=4, token_budget=32, chunk=16, max_running=3)
+    engine = Engine(demo, num_pages=121, page_size=4, token_budget=32, chunk=16, max_running=3,
+                    kv_dtype=kv_dtype)  # fmt: skip
     prompts = [[rng.randrange(3, demo.config.vocab_size) for _ in range(rng.randint(33, 60))]
                for _ in range(5)]  # fmt: skip
     settings = [dict(kv_policy=policy) if i % 4 != 1 else {} for i in range(5)]
+    settings = [dict(s, kv_dtype=kv_dtype) for s in settings]
     pending = list(range(5))
     got, seen_compressed = {}, False
     while pending or engine.has_work:
