@@ -107,6 +107,7 @@ class Engine:
         recycle: str = "lazy",
         recycle_below: float = 0.15,
         admission_headroom: float = 0.0,
+        admission: str = "reserve",
     ):
         if not isinstance(params, Params):
             raise ValueError(
@@ -141,6 +142,7 @@ class Engine:
             token_budget=token_budget,
             chunk=chunk,
             max_running=max_running,
+            admission=admission,
         )
         self.device = empty_pool(cfg, num_pages, page_size, self.kv_dtype)
         self.eos_ids = tuple(sorted(set(cfg.eos_token_ids)))

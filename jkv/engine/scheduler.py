@@ -19,6 +19,9 @@ from jkv.engine.page_pool import OutOfPages, PagePool, block_hashes
 from jkv.engine.sequence import Sequence, Status
 
 
+ADMISSIONS = ("reserve", "optimistic")
+
+
 @dataclasses.dataclass
 class Scheduled:
     """One sequence's share of a step: tokens `start .. start + n` of `seq.tokens` are computed;
@@ -53,6 +56,7 @@ class Scheduler:
         token_budget: int = 512,
         chunk: int = 512,
         max_running: int = 64,
+        admission: str = "reserve",
     ):
         if pool.group_size != num_layers * num_kv_heads:
             raise ValueError(
@@ -63,6 +67,9 @@ class Scheduler:
                             ("max_running", max_running)):  # fmt: skip
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: expected an int >= 1")
+        if admission not in ADMISSIONS:
+            raise ValueError(f"admission={admission!r}: expected one of {ADMISSIONS}")
+        self.admission = admission
         self.pool = pool
         self.heads = num_layers * num_kv_heads
         self.token_budget, self.chunk, self.max_running = token_budget, chunk, max_running
@@ -174,6 +181,30 @@ class Scheduler:
 
     # ------------------------------------------------------------------ steps
 
+    def _to_finish(self, seq: Sequence) -> int:
+        """Pages `seq` still has to take to run to max_tokens: its heads' growth to the last
+        token, or, before its policy compresses, to the larger of the whole prompt and what it
+        keeps plus its new tokens."""
+        page = self.pool.page_size
+        if seq.compresses and not seq.compressed:
+            peak = -(-max(len(seq.prompt), seq.keep) // page)
+            return sum(max(0, peak - len(t)) for t in seq.heads)
+        rest = len(seq.prompt) + seq.max_tokens - 1 - seq.num_computed  # the last is not written
+        return sum(
+            max(0, -(-(h + rest) // page) - len(t))
+            for h, t in zip(seq.held, seq.heads, strict=True)
+        )
+
+    def _room_to_finish(self, seq: Sequence) -> bool:
+        """`admission="reserve"`: admits `seq` only if the pool can take what it and every
+        running sequence still need to finish (no preemption while all run to max_tokens).
+        `"optimistic"` (vLLM's): its first chunk fitting is enough; running out later
+        preempts."""
+        if self.admission == "optimistic":
+            return True
+        need = self._to_finish(seq) + sum(self._to_finish(s) for s in self.running)
+        return need <= self.pool.free_pages
+
     def _chunk_for(self, seq: Sequence, budget: int) -> int:
         """Tokens of `seq` for this step: at most a chunk and the budget left. A sequence whose
         policy compresses its prompt stops a step at the prompt's end (compression happens
@@ -219,7 +250,12 @@ class Scheduler:
             self._take_prefix(seq)
             n = self._chunk_for(seq, budget)
             new_pages = self.pages_for(seq.num_computed + n) - self.pages_for(seq.num_computed)
-            if n == 0 or not self.pool.can_admit(new_pages) or not self._grow(seq, n):
+            if (
+                n == 0
+                or not self.pool.can_admit(new_pages)
+                or not self._room_to_finish(seq)
+                or not self._grow(seq, n)
+            ):
                 self._free(seq)  # gives the prefix back; the next step tries again
                 break
             self.waiting.popleft()

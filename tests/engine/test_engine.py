@@ -43,7 +43,7 @@ def test_requests_arriving_at_random_steps_match_generate_alone(tiny_params, kin
     # 20 usable pages, 4 per 16 tokens (2 layers x 2 kv heads): room for one and a half
     # requests, so pages are recycled and requests preempted
     engine = Engine(demo, num_pages=21, page_size=16, token_budget=32, chunk=16, max_running=2,
-                    kv_dtype=kv_dtype)  # fmt: skip
+                    kv_dtype=kv_dtype, admission="optimistic")  # fmt: skip
     prompts = random_prompts(rng, 5, demo.config.vocab_size, 17, 32)  # one prompt bucket
     lengths = [rng.randint(5, 8) for _ in prompts]  # one decode bucket for generate
     pending = list(range(len(prompts)))
@@ -151,7 +151,8 @@ def test_aborts_and_preemptions_return_every_page(demo):
     or decoding), the pool is small enough to preempt; afterwards no page is held, and the
     requests that ran to the end match generate alone."""
     rng = random.Random(12)
-    engine = Engine(demo, num_pages=21, page_size=16, token_budget=32, chunk=16, max_running=2)
+    engine = Engine(demo, num_pages=21, page_size=16, token_budget=32, chunk=16, max_running=2,
+                    admission="optimistic")  # fmt: skip
     prompts = random_prompts(rng, 12, demo.config.vocab_size, 17, 32)
     pending = list(range(len(prompts)))
     got, aborted = {}, set()
