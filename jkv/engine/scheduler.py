@@ -18,7 +18,6 @@ from collections import deque
 from jkv.engine.page_pool import OutOfPages, PagePool, block_hashes
 from jkv.engine.sequence import Sequence, Status
 
-
 ADMISSIONS = ("reserve", "optimistic")
 
 

@@ -139,4 +139,3 @@ def test_compaction_moves_skip_tokens_in_place():
         (7, 1, 7, 0), (7, 2, 7, 1), (8, 1, 7, 2)
     ]  # fmt: skip
     assert len(dst) == 4 and list(dst[~live]) == [50]
-

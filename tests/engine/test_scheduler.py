@@ -113,8 +113,9 @@ def test_a_request_that_can_never_fit_is_refused():
 
 
 def test_out_of_pages_preempts_the_newest_and_everyone_finishes():
-    pool, sched, dev = make(pages=49, page_size=4, token_budget=64, chunk=16,
-                            admission="optimistic")  # 48 pages; admits past what can finish
+    pool, sched, dev = make(
+        pages=49, page_size=4, token_budget=64, chunk=16, admission="optimistic"
+    )  # 48 pages; admits past what can finish
     for i in range(6):
         sched.add(seq(f"r{i}", range(1 + i, 11 + i), max_tokens=20))  # 30 tokens: 32 pages
 
@@ -139,9 +140,17 @@ def test_reserving_admission_never_preempts_requests_that_run_to_max_tokens():
         for i in range(6):
             sched.add(seq(f"r{i}", range(1 + i, 11 + i), max_tokens=20))
         peak = []
-        finished, _ = run_all(sched, dev, on_step=lambda plan: peak.append(len(sched.running)))
+
+        def count(plan, peak=peak, sched=sched):
+            peak.append(len(sched.running))
+
+        finished, _ = run_all(sched, dev, on_step=count)
         assert len(finished) == 6 and pool.used_pages == 0
-        runs[admission] = sched.num_preemptions, max(peak), {s.request_id: s.output for s in finished}
+        runs[admission] = (
+            sched.num_preemptions,
+            max(peak),
+            {s.request_id: s.output for s in finished},
+        )
     assert runs["reserve"][0] == 0 and runs["optimistic"][0] > 0
     assert runs["reserve"][1] == 1  # 48 pages hold one 30-token request's 32, not two
     assert runs["reserve"][2] == runs["optimistic"][2]
