@@ -20,8 +20,11 @@ engine.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import functools
 import itertools
+import threading
 import time
 
 import jax
@@ -90,6 +93,15 @@ class _Row:
         return tokens, delta
 
 
+def _locked(method):
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return run
+
+
 class Engine:
     def __init__(
         self,
@@ -149,6 +161,10 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._rows: dict[str, _Row] = {}
         self._ids = itertools.count()
+        self._lock = threading.RLock()  # add_request / abort / step: one at a time
+        self._queues: dict[str, asyncio.Queue] = {}  # request id -> its stream's outputs
+        self._driver: asyncio.Task | None = None
+        self._steps = 0
 
     @property
     def has_work(self) -> bool:
@@ -174,6 +190,7 @@ class Engine:
             )
         return pages
 
+    @_locked
     def add_request(self, prompt, *, request_id: str | None = None, cache_salt=None, **settings):
         """Queues a prompt (text, UTF-8 bytes or token ids) with `jkv.generate`'s settings;
         `cache_salt` keeps a tenant's prefix-cache pages its own. Returns the request id.
@@ -252,16 +269,23 @@ class Engine:
                 f"token_budget={self.scheduler.token_budget} less one per other running request)"
             )
 
+    @_locked
     def abort(self, request_id: str) -> bool:
         """Stops a request; its pages go back to the pool. False if it is not in the engine."""
         self._requests.pop(request_id, None)
         self._rows.pop(request_id, None)
-        return self.scheduler.abort(request_id) is not None
+        found = self.scheduler.abort(request_id) is not None
+        queue = self._queues.get(request_id)
+        if found and queue is not None:  # its stream ends
+            queue.put_nowait(RequestOutput(request_id, [], True, "abort", 0))
+        return found
 
+    @_locked
     def step(self) -> list[RequestOutput]:
         """Runs one scheduled model step. Returns an output for every request that sampled a
         token (or finished) in it."""
         plan = self.scheduler.schedule()
+        self._steps += 1
         sampled: dict[str, int] = {}
         kept: dict[str, tuple] = {}  # what a policy keeps of prompts that end in this step
         groups: dict[object, list] = {}  # decodes, then prefill chunks by the policy they feed
@@ -378,6 +402,63 @@ class Engine:
 
     def _requests_probe(self) -> Request:
         return Request.build(self.params)
+
+    def stats(self) -> dict:
+        """Counters for monitoring: pages (total usable, used by requests, free, cached and
+        idle), the share in use, prefix-cache lookups and hits (blocks) and hit rate, pages
+        recycled (lazily, by the watermark), preemptions, requests running and waiting, steps."""
+        pool, s = self.pool, self.pool.stats
+        return dict(
+            pages_total=pool.usable,
+            pages_used=pool.used_pages,
+            pages_free=pool.free_pages - pool.cached_idle_pages,
+            pages_cached_idle=pool.cached_idle_pages,
+            usage=pool.usage,
+            prefix_queries=s.prefix_queries,
+            prefix_hits=s.prefix_hits,
+            prefix_hit_rate=s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0,
+            recycled_lazy=s.recycled_lazy,
+            recycled_watermark=s.recycled_watermark,
+            preemptions=self.scheduler.num_preemptions,
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            steps=self._steps,
+        )
+
+    async def stream(self, prompt, **settings):
+        """Adds a request and yields its `RequestOutput`s as the engine steps, for asyncio
+        callers: many streams share the engine's steps, which run in a worker thread so the
+        event loop stays free. Leaving the iteration early aborts the request (its pages go
+        back). Takes `add_request`'s arguments."""
+        rid = self.add_request(prompt, **settings)
+        queue = self._queues[rid] = asyncio.Queue()
+        if self._driver is None or self._driver.done():
+            self._driver = asyncio.get_running_loop().create_task(self._drive())
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            self._queues.pop(rid, None)
+            if not finished:
+                self.abort(rid)
+
+    async def _drive(self) -> None:
+        """Steps the engine while streams wait, handing each output to its stream's queue."""
+        try:
+            while self._queues and self.has_work:
+                for out in await asyncio.to_thread(self.step):
+                    queue = self._queues.get(out.request_id)
+                    if queue is not None:
+                        queue.put_nowait(out)
+        except Exception as err:  # every waiting stream learns of it, none hangs
+            for queue in self._queues.values():
+                queue.put_nowait(err)
+            raise
 
     def generate(self, prompts, **settings) -> list[list[int]]:
         """Every prompt through the engine at once; each one's generated token ids, in order."""

@@ -5,6 +5,7 @@ and a Mistral with a sliding window: requests arriving while others decode give 
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
@@ -190,3 +191,58 @@ def test_a_pool_sized_by_a_fraction_of_free_memory(demo):
             Engine(demo, memory_fraction=bad)
     with pytest.raises(ValueError, match="at least 2 are needed"):
         Engine(demo, memory_fraction=1e-12)
+
+
+def test_streams_share_steps_and_end_as_generate_does(demo):
+    """Three asyncio streams at once: each yields generate's tokens alone, they share steps,
+    and a stream left early (or a request aborted while streaming) gives its pages back."""
+    rng = random.Random(8)
+    prompts = random_prompts(rng, 3, demo.config.vocab_size, 5, 20)
+    engine = Engine(demo, num_pages=128, page_size=8, chunk=32)
+
+    async def one(prompt):
+        toks = []
+        async for out in engine.stream(prompt, max_new_tokens=6):
+            toks += out.new_tokens
+        return toks, out.finish_reason
+
+    async def main():
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    got = asyncio.run(main())
+    assert got == [(alone(demo, p, max_new_tokens=6), "length") for p in prompts]
+    stats = engine.stats()
+    assert stats["steps"] <= 7 and stats["pages_used"] == 0  # 1 prefill step + 5 decode steps
+
+    async def leave_early():
+        async for out in engine.stream(prompts[0], max_new_tokens=30):
+            assert engine.pool.used_pages > 0
+            break
+
+    async def aborted():
+        outs = []
+        async for out in engine.stream(prompts[1], max_new_tokens=30, request_id="x"):
+            outs.append(out)
+            engine.abort("x")
+        return outs
+
+    asyncio.run(leave_early())
+    assert engine.pool.used_pages == 0 and not engine.has_work
+    outs = asyncio.run(aborted())
+    assert [o.finish_reason for o in outs] == [None, "abort"] and engine.pool.used_pages == 0
+
+
+def test_stats_count_pages_prefix_hits_and_requests(demo):
+    engine = Engine(demo, num_pages=64, page_size=8, chunk=32)
+    prompt = list(range(3, 30))  # 27 tokens: 3 full blocks
+    engine.generate([prompt], max_new_tokens=2)
+    engine.add_request(prompt, max_new_tokens=4)
+    engine.add_request([5, 6, 7], max_new_tokens=4)
+    engine.step()
+    s = engine.stats()
+    heads = demo.config.num_layers * demo.config.num_kv_heads
+    assert s["running"] == 2 and s["waiting"] == 0 and s["steps"] == 3  # 2 + this one
+    assert s["prefix_hits"] == 3 and s["prefix_hit_rate"] == 3 / s["prefix_queries"]
+    assert s["pages_used"] == 4 * heads + heads  # 28 tokens and 3 tokens in pages of 8
+    assert s["pages_used"] + s["pages_free"] + s["pages_cached_idle"] == s["pages_total"] == 63
+    assert s["usage"] == s["pages_used"] / 63
