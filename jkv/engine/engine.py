@@ -13,8 +13,9 @@ strings) are per-row data: requests with different settings share a step.
 A KV policy that selects once, after the prompt (SnapKV, PyramidKV, Ada-KV, Quantile), is a
 per-request setting: the step that ends a prompt runs with the policy (its window votes and its
 selection), then each head's kept tokens move into the fewest pages and the rest go back to the
-pool. Evicting policies (StreamingLLM, H2O), EffiCache and the segment rebuild raise ValueError
-for now. The kv dtype (float32, bfloat16, or fp8 with a bfloat16 scale per token) is one per
+pool. StreamingLLM compresses the same way at the prompt's end, then keeps a ring of its
+budget's slots (each new token overwrites the oldest non-sink one). H2O, EffiCache and the
+segment rebuild raise ValueError for now. The kv dtype (float32, bfloat16, or fp8 with a bfloat16 scale per token) is one per
 engine.
 """
 
@@ -30,6 +31,7 @@ import time
 import jax
 import numpy as np
 
+from jkv import kv as kvlib
 from jkv.core.sampling import SamplingArrays
 from jkv.engine.page_pool import PagePool
 from jkv.engine.runner import (
@@ -52,7 +54,7 @@ from jkv.policies.base import KVPolicy
 from jkv.prompt import prompt_ids
 from jkv.request import Request
 
-SERVED = "snapkv, pyramidkv, adakv, quantile"
+SERVED = "snapkv, pyramidkv, adakv, quantile, streaming"
 
 
 @dataclasses.dataclass
@@ -238,6 +240,9 @@ class Engine:
             most = max(req.policy.layer_budget(i, layers, kept) for i in range(layers))
             seq.compresses, seq.window = True, getattr(req.policy, "window", 0)
             seq.keep = min(len(ids), most) + req.max_new_tokens
+            if req.policy.evicts:  # a ring of `limit` slots per head once the prompt is in
+                seq.limit = req.policy.row_limit(len(ids))
+                seq.keep = min(seq.limit, len(ids) + req.max_new_tokens)
         self.scheduler.add(seq)
         self._requests[rid] = req
         tok = self.params.tokenizer
@@ -248,7 +253,7 @@ class Engine:
         """The policies the engine serves: those that select once, after the prompt."""
         if policy is None:
             return
-        if policy.evicts or policy.raw_keys or policy.needs_sensitivity or policy.wants_mass:
+        if policy.needs_sensitivity or policy.wants_mass:
             raise ValueError(
                 f"kv_policy={policy.name!r}: not served by the engine yet (it serves the full "
                 f"cache and the policies that compress once, after the prompt: {SERVED})"
@@ -291,7 +296,10 @@ class Engine:
         groups: dict[object, list] = {}  # decodes, then prefill chunks by the policy they feed
         for r in plan.scheduled:
             key = self._policy_key(r)
-            groups.setdefault((key is None and r.n == 1, key), []).append(r)
+            # One token per row (a decode step) unless a policy is still to compress the
+            # prompt: that step must be a prompt step (SnapKV votes; a ring appends, not evicts)
+            one = r.n == 1 and not (r.seq.compresses and not r.seq.compressed)
+            groups.setdefault((one, key), []).append(r)
         for (_, key), rows in groups.items():
             sampled.update(self._run(rows, key, kept))
         cached = {r.seq.request_id: r.seq.num_cached for r in plan.scheduled}  # before any frees
@@ -320,7 +328,8 @@ class Engine:
         """The policy a prefill chunk feeds: the request's, until its prompt is compressed."""
         policy = self._requests[r.seq.request_id].policy
         compressing = policy is not None and r.seq.prefilling and not r.seq.compressed
-        return policy.jit_key() if compressing else None
+        # an evicting policy rotates keys and evicts in every step
+        return policy.jit_key() if compressing or (policy and policy.evicts) else None
 
     def _run(self, rows, policy, kept) -> dict[str, int]:
         cfg = self.params.config
@@ -330,6 +339,8 @@ class Engine:
         b = len(n_new)
         reqs = [self._requests[r.seq.request_id] for r in rows]
         budgets = np.zeros((b,), np.int32)
+        limits = np.full((b,), kvlib.NO_LIMIT, np.int32)
+        limits[: len(rows)] = [kvlib.NO_LIMIT if r.seq.limit is None else r.seq.limit for r in rows]
         if policy is not None:
             budgets[: len(rows)] = [
                 q.policy.budget_tokens(len(r.seq.prompt)) for q, r in zip(reqs, rows, strict=True)
@@ -340,7 +351,7 @@ class Engine:
         index[: len(rows)] = [len(r.seq.output) for r in rows]
         tok, writes, *selection = paged_step(
             self.params.weights, cfg, self.device, tables, held, tokens, n_new, start, sampling,
-            index, budgets, backend=self.backend, dtype=self.kv_dtype, policy=policy,
+            index, budgets, limits, backend=self.backend, dtype=self.kv_dtype, policy=policy,
         )  # fmt: skip
         self.device = write_pages(self.device, writes)
         ending = [i for i, r in enumerate(rows) if r.start + r.n == len(r.seq.prompt)]
@@ -386,7 +397,7 @@ class Engine:
             sampling = SamplingArrays.build([probe.sampling] * b, [probe.seed] * b)
             tok, writes, *_ = paged_step(
                 self.params.weights, cfg, self.device, z(b, *heads, m), z(b, *heads), z(b, t),
-                z(b), z(b), sampling, z(b), z(b), backend=self.backend, dtype=self.kv_dtype,
+                z(b), z(b), sampling, z(b), z(b), z(b), backend=self.backend, dtype=self.kv_dtype,
                 policy=key,
             )  # fmt: skip
             self.device = write_pages(self.device, writes)  # nothing written: n_new is 0

@@ -55,6 +55,7 @@ class PoolStats:
     prefix_hits: int = 0  # blocks found
     recycled_lazy: int = 0  # idle cached pages dropped from the cache for an allocation
     recycled_watermark: int = 0  # idle cached pages dropped to restore the watermark
+    uncached: int = 0  # cached pages dropped so that their holder could compact into them
 
 
 class PagePool:
@@ -212,6 +213,12 @@ class PagePool:
         for p in group:
             self.page_hash[p] = block_hash
         return True
+
+    def uncache(self, page: int) -> None:
+        """Drops a held page's block from the prefix cache (its whole group), so its holder
+        may overwrite it; the group's idle pages become plain free pages."""
+        if self.page_hash[page] is not None:
+            self.stats.uncached += 1 + self._forget(page)
 
     def is_cached(self, page: int) -> bool:
         return self.page_hash[page] is not None

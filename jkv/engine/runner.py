@@ -85,6 +85,7 @@ def paged_step(
     sampling: SamplingArrays,
     sample_index,
     budgets=None,
+    limits=None,
     *,
     backend: str,
     dtype: str,
@@ -99,6 +100,7 @@ def paged_step(
         position of `tokens[:, 0]`.
       sampling, sample_index: per-row settings and the index of the token each row samples.
       budgets: `[B]` int32 prompt tokens each row keeps (`policy.row_budgets`), with `policy`.
+      limits: `[B]` int32 slots an evicting policy's row holds (a ring; `KVState.limit`).
       policy: a compressing KV policy's `jit_key()` (it observes the step, SnapKV's window
         votes, and selects what each row would keep), or None.
 
@@ -127,7 +129,7 @@ def paged_step(
     kv = kvlib.KVState(
         layers=tuple(layers),
         next_position=start,
-        limit=jnp.full((b,), kvlib.NO_LIMIT, jnp.int32),
+        limit=jnp.full((b,), kvlib.NO_LIMIT, jnp.int32) if limits is None else limits,
         dtype=dtype,
     )
     logits, kv = model_step(
@@ -145,6 +147,9 @@ def paged_step(
     offs = jnp.arange(t, dtype=jnp.int32)
     live = offs[None, None, None, :] < n_new[:, None, None, None]  # [B, 1, 1, T]
     slots = held[..., None] + offs  # [B, L, K, T]
+    if policy is not None and policy.evicts and t == 1:
+        # A ring at its limit overwrote its oldest token: find the slot by its position.
+        slots = jnp.stack([ring_slots(kv.layers[i], start) for i in range(config.num_layers)], 1)
     pages = jnp.take_along_axis(tables, jnp.minimum(slots // page, tables.shape[-1] - 1), -1)
     pages = jnp.where(live, pages, pool.num_pages)  # out of range: the write is dropped
     new = []
@@ -162,6 +167,14 @@ def paged_step(
     if policy is None:
         return tok, writes
     return tok, writes, kept_slots(policy, kv, config.num_layers, n_new, budgets, start)
+
+
+def ring_slots(layer: kvlib.LayerKV, position) -> jax.Array:
+    """`[B, K, 1]` int32: the slot of each head holding the token at `position` `[B]` (one
+    decode token per row, written where the policy chose)."""
+    valid = jnp.arange(layer.capacity)[None, None, :] < layer.lengths[:, :, None]
+    hit = valid & (layer.positions == position[:, None, None])
+    return jnp.argmax(hit, axis=-1).astype(jnp.int32)[..., None]
 
 
 def kept_slots(policy, kv: kvlib.KVState, num_layers: int, n_new, budgets, start):

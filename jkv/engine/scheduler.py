@@ -93,7 +93,8 @@ class Scheduler:
             raise ValueError("the prompt is empty: expected at least one token")
         need = self.pages_for(len(seq.prompt) + seq.max_tokens)
         if seq.compresses:  # the whole prompt, and the kept tokens' pages beside it
-            need = max(need, self.pages_for(len(seq.prompt)) + self.pages_for(seq.keep))
+            both = self.pages_for(len(seq.prompt)) + self.pages_for(seq.keep)
+            need = both if seq.limit is not None else max(need, both)  # a ring stops growing
         if need > self.pool.usable:
             raise ValueError(
                 f"a prompt of {len(seq.prompt)} tokens plus max_tokens={seq.max_tokens} needs "
@@ -130,7 +131,7 @@ class Scheduler:
         pool cannot."""
         page = self.pool.page_size
         need = [
-            max(0, -(-(held + n) // page) - len(t))
+            max(0, -(-seq.after(held, n) // page) - len(t))
             for held, t in zip(seq.held, seq.heads, strict=True)
         ]
         try:
@@ -190,7 +191,7 @@ class Scheduler:
             return sum(max(0, peak - len(t)) for t in seq.heads)
         rest = len(seq.prompt) + seq.max_tokens - 1 - seq.num_computed  # the last is not written
         return sum(
-            max(0, -(-(h + rest) // page) - len(t))
+            max(0, -(-seq.after(h, rest) // page) - len(t))
             for h, t in zip(seq.held, seq.heads, strict=True)
         )
 
@@ -211,6 +212,8 @@ class Scheduler:
         least the policy's window (SnapKV's observation queries vote in one step); 0 when that
         cannot be met this step."""
         n = min(seq.to_compute, budget, self.chunk)
+        if seq.limit is not None and seq.compressed:
+            return min(n, 1)  # a ring evicts one token per step (recomputed ones too)
         if not (seq.compresses and seq.prefilling):
             return n
         rest = len(seq.prompt) - seq.num_computed
@@ -274,7 +277,7 @@ class Scheduler:
             if seq.status is not Status.RUNNING:
                 continue  # aborted since the plan was made
             seq.num_computed += s.n
-            seq.held = [h + s.n for h in seq.held]
+            seq.held = [seq.after(h, s.n) for h in seq.held]
             self._publish(seq)
             if not s.samples:
                 continue
@@ -310,11 +313,15 @@ class Scheduler:
             self.pool.publish(hashes[j], [table[j] for table in seq.heads])
         seq.published = full
 
-    def compress(self, seq: Sequence, kept: list[int]) -> list[tuple[list[int], list[int]]]:
+    def compress(
+        self, seq: Sequence, kept: list[int], *, reclaim: bool = False
+    ) -> list[tuple[list[int], list[int]]]:
         """A KV policy kept `kept[h]` tokens of head h (its slots in order): each head's table
         shrinks to the pages they fill. A page the sequence alone holds and the prefix cache
         does not know is reused in place (the runner reads every kept token before it writes);
-        a shared or cached one is copied on write into a fresh page. The rest go back.
+        a shared one is copied on write into a fresh page, and so is a cached one, unless
+        `reclaim`: then a cached page only this sequence holds leaves the prefix cache and is
+        reused. The rest go back.
 
         Returns (old table, new table) per head for the runner's copy. Raises OutOfPages,
         changing nothing, if the pool cannot give the fresh pages."""
@@ -326,10 +333,12 @@ class Scheduler:
         plans = []  # per head: the new table, None where a fresh page goes
         for table, k in zip(seq.heads, kept, strict=True):
             plans.append([
-                p if self.pool.refs[p] == 1 and not self.pool.is_cached(p) else None
+                p if self.pool.refs[p] == 1 and (reclaim or not self.pool.is_cached(p)) else None
                 for p in table[: -(-k // page)]
             ])  # fmt: skip
         fresh = iter(self.pool.allocate(sum(t.count(None) for t in plans)))
+        for p in (p for plan in plans for p in plan if p is not None):
+            self.pool.uncache(p)
         moves = []
         for h, plan in enumerate(plans):
             new = [next(fresh) if p is None else p for p in plan]
@@ -344,10 +353,15 @@ class Scheduler:
     def compress_or_preempt(self, seq: Sequence, kept: list[int]):
         """`compress`, preempting the newest other running sequences while the pool lacks the
         fresh pages; with none left to preempt, `seq` itself waits to be recomputed. Returns the
-        moves, or None if `seq` was preempted."""
+        moves, or None if `seq` was preempted. Short of pages it first gives up the prefix
+        cache's copies of blocks only it holds (`reclaim`), which needs no fresh page."""
         while True:
             try:
                 return self.compress(seq, kept)
+            except OutOfPages:
+                pass
+            try:
+                return self.compress(seq, kept, reclaim=True)
             except OutOfPages:
                 victim = next((s for s in reversed(self.running) if s is not seq), seq)
                 self._preempt(victim)

@@ -37,6 +37,7 @@ class Sequence:
     compresses: bool = False  # a KV policy compresses its prompt once it is in the pages
     window: int = 0  # prompt tokens the policy's last prefill step must hold (SnapKV's window)
     keep: int = 0  # tokens a head holds at most once compressed, generated ones included
+    limit: int | None = None  # an evicting policy's slots per head once compressed (a ring)
     compressed: bool = False
     finish_reason: str | None = None
     preemptions: int = 0
@@ -62,6 +63,13 @@ class Sequence:
     def awaits_compression(self) -> bool:
         """Its whole prompt is in the pages and its policy has not compressed it yet."""
         return self.compresses and not self.compressed and self.num_computed >= len(self.prompt)
+
+    def after(self, held: int, n: int) -> int:
+        """Tokens a head holding `held` holds after `n` more: an evicting policy's compressed
+        sequence overwrites its oldest tokens at its limit."""
+        if self.limit is not None and self.compressed:
+            return min(held + n, self.limit)
+        return held + n
 
     def pages(self) -> list[int]:
         return [p for table in self.heads for p in table]

@@ -215,7 +215,7 @@ def test_streams_share_steps_and_end_as_generate_does(demo):
     assert stats["steps"] <= 7 and stats["pages_used"] == 0  # 1 prefill step + 5 decode steps
 
     async def leave_early():
-        async for out in engine.stream(prompts[0], max_new_tokens=30):
+        async for _ in engine.stream(prompts[0], max_new_tokens=30):
             assert engine.pool.used_pages > 0
             break
 

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from jkv.engine.page_pool import PagePool
+from jkv.engine.page_pool import OutOfPages, PagePool
 from jkv.engine.scheduler import Scheduler
 from jkv.engine.sequence import Sequence, Status
 
@@ -249,3 +249,24 @@ def test_200_random_requests_with_aborts_leak_no_page(recycle):
     assert all(len(s.output) == s.max_tokens or s.output[-1] == 0 for s in finished)
     assert pool.used_pages == 0 and not sched.by_id
     assert pool.stats.prefix_hits > 0
+
+
+def test_compression_short_of_pages_takes_back_its_own_cached_pages():
+    """A pool with no room for copies: the compressing sequence's prompt blocks are cached but
+    only it holds them, so they leave the prefix cache and it compacts into them in place (no
+    preemption, no fresh page)."""
+    pool, sched, dev = make(pages=21, page_size=4, token_budget=64, chunk=64)  # 20 usable
+    sched.add(seq("a", list(range(1, 17)), max_tokens=3))  # 16 tokens: 4 pages x 4 heads
+    plan = sched.schedule()
+    sched.finish_step(plan, dev.run(plan))
+    a = sched.by_id["a"]
+    assert all(pool.is_cached(p) for p in a.pages()) and pool.free_pages == 4
+    with pytest.raises(OutOfPages):
+        sched.compress(a, [9, 5, 16, 1])  # copies would need 3 + 2 + 4 + 1 fresh pages
+    old = [list(t) for t in a.heads]
+    moves = sched.compress_or_preempt(a, [9, 5, 16, 1])
+    assert moves is not None and sched.num_preemptions == 0
+    assert [new for _, new in moves] == [t[:n] for t, n in zip(old, [3, 2, 4, 1], strict=True)]
+    assert pool.stats.uncached > 0 and not any(pool.is_cached(p) for p in a.pages())
+    assert pool.used_pages == 10
+    pool.check()
