@@ -34,7 +34,6 @@ def random_prompts(rng, n, vocab, low=3, high=60):
     [
         ("llama", "float32"),
         ("llama", "bfloat16"),
-        ("llama", "float8_e4m3fn"),
         ("mistral", "float32"),
     ],
 )
