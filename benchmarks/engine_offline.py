@@ -2,17 +2,18 @@
 batches vs transformers' own continuous batching (`generate_batch`, paged sdpa), same model,
 same requests, one process, CPU.
 
-The model is a random float32 checkpoint of the demo model's shape (4 layers, hidden 128, 4
-query / 2 kv heads, vocab 392), written by transformers and loaded by both, with no eos token so
-every request generates exactly its tokens. Requests: prompt lengths uniform in [16, 128]
+The model is a random float32 checkpoint written by transformers and loaded by both, with no eos
+token so every request generates exactly its tokens: `--model demo` has the demo model's shape
+(4 layers, hidden 128, 4 query / 2 kv heads, vocab 392), `--model 125m` 125M parameters (6
+layers, hidden 1024, 16 query / 4 kv heads, MLP 4096, vocab 16384). Requests: prompt lengths uniform in [16, 128]
 tokens, random ids, every request 32 new tokens, greedy (transformers' `generate_batch` takes one
 generation config for the whole batch, so the output length is shared). Correctness first: the
 engine's tokens must equal the sequential ones; transformers' agreement is reported. Compile
-time is excluded everywhere (each jkv path runs once untimed; the engine's `warmup()` seconds
-are reported); 2 threads each.
+time is excluded everywhere (each jkv path first runs untimed over one prompt (or batch) per
+prompt bucket; the engine's `warmup()` seconds are reported); 2 threads each.
 
-    python benchmarks/engine_offline.py [--requests 64] [--out benchmarks/results]
-Writes engine_offline.json and engine_offline.png.
+    python benchmarks/engine_offline.py [--model demo|125m] [--requests 256] [--out DIR]
+Writes engine_offline[_125m].json and .png.
 """
 
 from __future__ import annotations
@@ -34,10 +35,17 @@ os.environ.setdefault(
     "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=true intra_op_parallelism_threads=2"
 )
 
-import jkv  # noqa: E402
+import jax  # noqa: E402
 
-SHAPE = dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=512,
-             vocab_size=392, max_position_embeddings=512)  # fmt: skip
+import jkv  # noqa: E402
+from jkv.kv import bucket  # noqa: E402
+
+SHAPES = {
+    "demo": dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+                 intermediate_size=512, vocab_size=392, max_position_embeddings=512),
+    "125m": dict(hidden_size=1024, num_layers=6, num_heads=16, num_kv_heads=4,
+                 intermediate_size=4096, vocab_size=16384, max_position_embeddings=512),
+}  # fmt: skip
 NEW_TOKENS = 32
 BATCH = 8
 
@@ -83,8 +91,17 @@ def transformers_run(path, prompts):
     return ordered, seconds
 
 
+def warm_subset(prompts):
+    """One batch of prompts per prompt bucket (`jkv.kv.bucket`): running it compiles what the
+    whole run needs, for both jkv paths."""
+    by_bucket = {}
+    for p in prompts:
+        by_bucket.setdefault(bucket(len(p)), []).append(p)
+    return [p for group in by_bucket.values() for p in group[:BATCH]]
+
+
 def timed(fn, *args):
-    fn(*args)  # compiles (jkv) or warms up
+    fn(args[0], warm_subset(args[1]))  # compiles every shape the run needs
     t0 = time.perf_counter()
     out = fn(*args)
     return out, time.perf_counter() - t0
@@ -92,15 +109,18 @@ def timed(fn, *args):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--model", choices=sorted(SHAPES), default="demo")
+    ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
+    shape = SHAPES[args.model]
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, SHAPE["vocab_size"]) for _ in range(rng.randint(16, 128))]
+    prompts = [[rng.randrange(3, shape["vocab_size"]) for _ in range(rng.randint(16, 128))]
                for _ in range(args.requests)]  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_tiny_checkpoint(Path(tmp) / "m", "llama", **SHAPE)
+        path = write_tiny_checkpoint(Path(tmp) / "m", "llama", **shape)
         params = jkv.load(path)
+        n_params = sum(x.size for x in jax.tree_util.tree_leaves(params.weights))
         seq, seq_s = timed(sequential, params, prompts)
         stat, stat_s = timed(static_batches, params, prompts)
         eng, eng_s, warm_s, preempted = engine_run(params, prompts)
@@ -120,7 +140,8 @@ def main(argv=None) -> int:
         r["vs_sequential"] = round(seq_s / r["seconds"], 2)
         r["seconds"] = round(r["seconds"], 2)
     print(f"{args.requests} requests, prompts 16-128 tokens, {NEW_TOKENS} new tokens each "
-          f"({tokens} tokens), demo-shaped random float32 model, CPU ({os.cpu_count()} cores)")  # fmt: skip
+          f"({tokens} tokens), random float32 model '{args.model}', {n_params / 1e6:.0f}M "
+          f"parameters, CPU ({os.cpu_count()} cores)")  # fmt: skip
     print(f"{'system':45s} {'seconds':>8s} {'tok/s':>8s} {'x sequential':>13s}")
     for r in rows:
         print(f"{r['system']:45s} {r['seconds']:8.2f} {r['tokens_per_s']:8.1f} "
@@ -130,12 +151,13 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = dict(
-        requests=args.requests, new_tokens=NEW_TOKENS, prompt_tokens=[16, 128], model=SHAPE,
+        requests=args.requests, parameters=n_params, new_tokens=NEW_TOKENS, prompt_tokens=[16, 128], model=dict(name=args.model, **shape),
         rows=rows, engine_warmup_s=round(warm_s, 1), engine_preemptions=preempted,
         transformers_agreement=agree, engine_equals_sequential=True,
         machine=dict(python=platform.python_version(), cpus=os.cpu_count()),
     )  # fmt: skip
-    (out / "engine_offline.json").write_text(json.dumps(report, indent=1) + "\n")
+    stem = "engine_offline" + ("" if args.model == "demo" else f"_{args.model}")
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -144,10 +166,10 @@ def main(argv=None) -> int:
     fig, ax = plt.subplots(figsize=(7, 3))
     ax.barh([r["system"] for r in rows][::-1], [r["tokens_per_s"] for r in rows][::-1])
     ax.set_xlabel("generated tokens / s (CPU, 2 threads)")
-    ax.set_title(f"{args.requests} requests, {NEW_TOKENS} new tokens each")
+    ax.set_title(f"{args.model} model, {args.requests} requests, {NEW_TOKENS} new tokens each")
     fig.tight_layout()
-    fig.savefig(out / "engine_offline.png", dpi=110)
-    print(f"wrote {out / 'engine_offline.json'} and engine_offline.png")
+    fig.savefig(out / f"{stem}.png", dpi=110)
+    print(f"wrote {out / stem}.json and {stem}.png")
     return 0
 
 

@@ -10,13 +10,16 @@ The scheduler (plain Python) decides which tokens run; the runner gathers their 
 model step and samples. Per-request settings (sampling values, seed, max_new_tokens, stop
 strings) are per-row data: requests with different settings share a step.
 
-A KV policy that selects once, after the prompt (SnapKV, PyramidKV, Ada-KV, Quantile), is a
-per-request setting: the step that ends a prompt runs with the policy (its window votes and its
-selection), then each head's kept tokens move into the fewest pages and the rest go back to the
-pool. StreamingLLM compresses the same way at the prompt's end, then keeps a ring of its
-budget's slots (each new token overwrites the oldest non-sink one). H2O, EffiCache and the
-segment rebuild raise ValueError for now. The kv dtype (float32, bfloat16, or fp8 with a bfloat16 scale per token) is one per
-engine.
+A KV policy that selects once, after the prompt (SnapKV, PyramidKV, Ada-KV, EffiCache,
+Quantile), is a per-request setting: the step that ends a prompt runs with the policy (its window
+votes and its selection; EffiCache's head sensitivity comes from one gradient pass over the
+whole prompt just before), then each head's kept tokens move into the fewest pages and the rest
+go back to the pool. StreamingLLM and H2O compress the same way at the prompt's end, then keep a
+ring of their budget's slots: each new token overwrites the oldest non-sink one (StreamingLLM)
+or the lightest by attention mass outside the recent window (H2O, whose mass per stored token
+lives in the pool: `Engine(attention_mass=True)`). The segment rebuild stays on the one-shot
+path (ValueError here). The kv dtype (float32, bfloat16, or fp8 with a bfloat16 scale per
+token) is one per engine.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from jkv.engine.runner import (
     pack,
     paged_step,
     pool_bytes,
+    write_mass,
     write_pages,
 )
 from jkv.engine.scheduler import Scheduler
@@ -51,10 +55,11 @@ from jkv.output import RowOutput
 from jkv.params import Params
 from jkv.policies import resolve
 from jkv.policies.base import KVPolicy
+from jkv.policies.efficache import head_sensitivity
 from jkv.prompt import prompt_ids
 from jkv.request import Request
 
-SERVED = "snapkv, pyramidkv, adakv, quantile, streaming"
+SERVED = "snapkv, pyramidkv, adakv, efficache, quantile, streaming, h2o"
 
 
 @dataclasses.dataclass
@@ -122,6 +127,7 @@ class Engine:
         recycle_below: float = 0.15,
         admission_headroom: float = 0.0,
         admission: str = "reserve",
+        attention_mass: bool = False,
     ):
         if not isinstance(params, Params):
             raise ValueError(
@@ -139,6 +145,7 @@ class Engine:
             or (self.max_model_len < 1)
         ):
             raise ValueError(f"max_model_len={max_model_len!r}: expected an int >= 1")
+        self.attention_mass = bool(attention_mass)
         if memory_fraction is not None:
             num_pages = self._pages_for_memory(memory_fraction, page_size)
         self.pool = PagePool(
@@ -158,7 +165,7 @@ class Engine:
             max_running=max_running,
             admission=admission,
         )
-        self.device = empty_pool(cfg, num_pages, page_size, self.kv_dtype)
+        self.device = empty_pool(cfg, num_pages, page_size, self.kv_dtype, self.attention_mass)
         self.eos_ids = tuple(sorted(set(cfg.eos_token_ids)))
         self._requests: dict[str, Request] = {}
         self._rows: dict[str, _Row] = {}
@@ -183,7 +190,7 @@ class Engine:
         free = available_bytes()
         if free is None:
             raise ValueError("memory_fraction: this device reports no free memory; pass num_pages")
-        per_page = pool_bytes(self.params.config, 1, page_size, self.kv_dtype)
+        per_page = pool_bytes(self.params.config, 1, page_size, self.kv_dtype, self.attention_mass)
         pages = int(free * fraction) // per_page
         if pages < 2:
             raise ValueError(
@@ -243,6 +250,9 @@ class Engine:
             if req.policy.evicts:  # a ring of `limit` slots per head once the prompt is in
                 seq.limit = req.policy.row_limit(len(ids))
                 seq.keep = min(seq.limit, len(ids) + req.max_new_tokens)
+            # Attention mass is this request's own, from its own queries: its pages are neither
+            # taken from the prefix cache nor given to it.
+            seq.cacheable = not req.policy.wants_mass
         self.scheduler.add(seq)
         self._requests[rid] = req
         tok = self.params.tokenizer
@@ -253,10 +263,11 @@ class Engine:
         """The policies the engine serves: those that select once, after the prompt."""
         if policy is None:
             return
-        if policy.needs_sensitivity or policy.wants_mass:
+        if policy.wants_mass and not self.attention_mass:
             raise ValueError(
-                f"kv_policy={policy.name!r}: not served by the engine yet (it serves the full "
-                f"cache and the policies that compress once, after the prompt: {SERVED})"
+                f"kv_policy={policy.name!r} evicts by attention mass, which this engine does not "
+                "keep: build it with jkv.Engine(..., attention_mass=True) (a float32 per stored "
+                "token)"
             )
         if type(policy).rebuild is not KVPolicy.rebuild:
             raise ValueError(
@@ -341,26 +352,46 @@ class Engine:
         budgets = np.zeros((b,), np.int32)
         limits = np.full((b,), kvlib.NO_LIMIT, np.int32)
         limits[: len(rows)] = [kvlib.NO_LIMIT if r.seq.limit is None else r.seq.limit for r in rows]
+        ending = [i for i, r in enumerate(rows) if r.start + r.n == len(r.seq.prompt)]
+        sensitivity = None
         if policy is not None:
             budgets[: len(rows)] = [
                 q.policy.budget_tokens(len(r.seq.prompt)) for q, r in zip(reqs, rows, strict=True)
             ]
+            if policy.needs_sensitivity:
+                sensitivity = self._sensitivity(rows, ending, b)
         reqs += [reqs[0]] * (b - len(rows))  # padding rows sample and are ignored
         sampling = SamplingArrays.build([q.sampling for q in reqs], [q.seed for q in reqs])
         index = np.zeros((b,), np.int32)
         index[: len(rows)] = [len(r.seq.output) for r in rows]
-        tok, writes, *selection = paged_step(
+        tok, writes, selection, mass = paged_step(
             self.params.weights, cfg, self.device, tables, held, tokens, n_new, start, sampling,
-            index, budgets, limits, backend=self.backend, dtype=self.kv_dtype, policy=policy,
+            index, budgets, limits, sensitivity, backend=self.backend, dtype=self.kv_dtype,
+            policy=policy,
         )  # fmt: skip
         self.device = write_pages(self.device, writes)
-        ending = [i for i, r in enumerate(rows) if r.start + r.n == len(r.seq.prompt)]
-        if selection and ending:
-            order, counts = (np.asarray(x) for x in selection[0])
+        if mass is not None:
+            self.device = write_mass(self.device, tables, *mass)
+        if selection is not None and ending:
+            order, counts = (np.asarray(x) for x in selection)
             for i in ending:
                 kept[rows[i].seq.request_id] = (order[i], counts[i].reshape(-1).tolist())
         tok = np.asarray(tok)
         return {r.seq.request_id: int(tok[i]) for i, r in enumerate(rows) if r.samples}
+
+    def _sensitivity(self, rows, ending, b: int) -> np.ndarray:
+        """`[b, L, K]` float32: EffiCache's head sensitivity of each row whose prompt ends in
+        this step, by one gradient pass over its whole prompt (padded to its bucket, as
+        `jkv.generate` pads it); zeros elsewhere."""
+        cfg = self.params.config
+        out = np.zeros((b, cfg.num_layers, cfg.num_kv_heads), np.float32)
+        for i in ending:
+            prompt = rows[i].seq.prompt
+            tokens = np.zeros((1, kvlib.bucket(len(prompt))), np.int32)
+            tokens[0, : len(prompt)] = prompt
+            n = np.array([len(prompt)], np.int32)
+            out[i] = np.asarray(_sensitivity(self.params.weights, cfg, tokens, n))[0]
+        return out
 
     def _compress(self, seq, order, counts) -> None:
         """The policy's selection made physical: each head's kept tokens move into the fewest
@@ -395,13 +426,23 @@ class Engine:
         for key, b, t, m in itertools.product(keys, rows, (1, self.scheduler.chunk), pages):
             z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
             sampling = SamplingArrays.build([probe.sampling] * b, [probe.seed] * b)
-            tok, writes, *_ = paged_step(
+            sens = None
+            if key is not None and key.needs_sensitivity:
+                sens = np.zeros((b, *heads), np.float32)
+            tok, writes, _, mass = paged_step(
                 self.params.weights, cfg, self.device, z(b, *heads, m), z(b, *heads), z(b, t),
-                z(b), z(b), sampling, z(b), z(b), z(b), backend=self.backend, dtype=self.kv_dtype,
-                policy=key,
+                z(b), z(b), sampling, z(b), z(b), z(b), sens, backend=self.backend,
+                dtype=self.kv_dtype, policy=key,
             )  # fmt: skip
             self.device = write_pages(self.device, writes)  # nothing written: n_new is 0
+            if mass is not None:
+                self.device = write_mass(self.device, z(b, *heads, m), *mass)
             tok.block_until_ready()
+        if any(k is not None and k.needs_sensitivity for k in keys):  # every prompt bucket
+            top = kvlib.bucket(self.max_model_len)
+            for n in sorted({kvlib.bucket(1 << i) for i in range(top.bit_length())}):
+                z = np.zeros((1, n), np.int32)
+                _sensitivity(self.params.weights, cfg, z, np.ones(1, np.int32)).block_until_ready()
         if len(keys) > 1:  # compactions move up to every token of a request's heads
             most = bucket(cfg.num_layers * cfg.num_kv_heads * self.max_model_len)
             for n in (1 << i for i in range(most.bit_length())):
@@ -480,3 +521,6 @@ class Engine:
                 if out.request_id in got:
                     got[out.request_id] += out.new_tokens
         return [got[rid] for rid in rids]
+
+
+_sensitivity = jax.jit(head_sensitivity, static_argnames=("config",))

@@ -37,6 +37,7 @@ class PagedKV:
     positions: jax.Array  # [L, P, page_size] int32 text position of every token
     k_scale: jax.Array | None = None  # [L, P, page_size] bfloat16, fp8 storage only
     v_scale: jax.Array | None = None
+    mass: jax.Array | None = None  # [L, P, page_size] float32 attention received (H2O)
 
     @property
     def page_size(self) -> int:
@@ -47,7 +48,10 @@ class PagedKV:
         return self.k.shape[1]
 
 
-def empty_pool(config: ModelConfig, num_pages: int, page_size: int, dtype: str) -> PagedKV:
+def empty_pool(
+    config: ModelConfig, num_pages: int, page_size: int, dtype: str, mass: bool = False
+) -> PagedKV:
+    """A pool of zeros; `mass`: with a float32 of accumulated attention per stored token."""
     shape = (config.num_layers, num_pages, page_size, config.head_dim)
     fp8 = dtype == "float8_e4m3fn"
     return PagedKV(
@@ -56,20 +60,30 @@ def empty_pool(config: ModelConfig, num_pages: int, page_size: int, dtype: str) 
         positions=jnp.zeros(shape[:3], jnp.int32),
         k_scale=jnp.ones(shape[:3], kvlib.SCALE_DTYPE) if fp8 else None,
         v_scale=jnp.ones(shape[:3], kvlib.SCALE_DTYPE) if fp8 else None,
+        mass=jnp.zeros(shape[:3], jnp.float32) if mass else None,
     )
 
 
-def pool_bytes(config: ModelConfig, num_pages: int, page_size: int, dtype: str) -> int:
-    """Device bytes of a pool (K, V, positions and, under fp8, a scale per token of each)."""
-    per_token = 2 * config.head_dim * jnp.dtype(dtype).itemsize + 4
+def pool_bytes(
+    config: ModelConfig, num_pages: int, page_size: int, dtype: str, mass: bool = False
+) -> int:
+    """Device bytes of a pool (K, V, positions and, under fp8, a scale per token of each; with
+    `mass`, a float32 per token)."""
+    per_token = 2 * config.head_dim * jnp.dtype(dtype).itemsize + 4 + (4 if mass else 0)
     if dtype == "float8_e4m3fn":
         per_token += 2 * jnp.dtype(kvlib.SCALE_DTYPE).itemsize
     return config.num_layers * num_pages * page_size * per_token
 
 
 def _scaled(pool: PagedKV) -> tuple[str, ...]:
-    """The per-token arrays of the pool besides K and V: positions, and fp8 scales."""
+    """The per-token arrays of the pool that a step's new tokens write, besides K and V:
+    positions, and fp8 scales."""
     return ("positions",) if pool.k_scale is None else ("positions", "k_scale", "v_scale")
+
+
+def _per_token(pool: PagedKV) -> tuple[str, ...]:
+    """Every per-token array of the pool (what a compaction moves)."""
+    return ("k", "v", *_scaled(pool), *(("mass",) if pool.mass is not None else ()))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "backend", "dtype", "policy"))
@@ -86,6 +100,7 @@ def paged_step(
     sample_index,
     budgets=None,
     limits=None,
+    sensitivity=None,
     *,
     backend: str,
     dtype: str,
@@ -101,28 +116,39 @@ def paged_step(
       sampling, sample_index: per-row settings and the index of the token each row samples.
       budgets: `[B]` int32 prompt tokens each row keeps (`policy.row_budgets`), with `policy`.
       limits: `[B]` int32 slots an evicting policy's row holds (a ring; `KVState.limit`).
+      sensitivity: `[B, L, K]` float32 head sensitivity of rows whose prompt ends in the step
+        (EffiCache, `head_sensitivity`), or None.
       policy: a compressing KV policy's `jit_key()` (it observes the step, SnapKV's window
         votes, and selects what each row would keep), or None.
 
     Returns:
       (`[B]` int32 sampled tokens (meaningful for rows whose step reaches their last known
-      token), the writes for `write_pages`, and with a policy (each head's slots in slot
-      order, kept ones first: `[B, L, K, S]` int32; kept per head `[B, L, K]` int32), what
-      rows whose prompt ends in this step keep).
+      token), the writes for `write_pages`, with a policy (each head's slots in slot order,
+      kept ones first: `[B, L, K, S]` int32; kept per head `[B, L, K]` int32) what rows whose
+      prompt ends in this step keep (else None), and for a policy that accumulates attention
+      mass (H2O) each head's mass `[B, L, K, S]` and tokens held `[B, L, K]` for `write_mass`
+      (else None)).
     """
     b, t = tokens.shape
     page = pool.page_size
     observes = policy is not None and policy.observes
+    accumulates = policy is not None and policy.wants_mass  # H2O: its mass so far, from pages
+    if accumulates and pool.mass is None:
+        raise ValueError(f"kv_policy={policy.name!r} needs a pool built with mass=True")
     layers = []
     for layer in range(config.num_layers):
         tab = tables[:, layer]
         k = gather_pages(pool.k[layer], tab)
+        if accumulates:
+            scores = gather_pages(pool.mass[layer], tab)
+        else:
+            scores = jnp.zeros(k.shape[:3], jnp.float32) if observes else None
         layers.append(
             kvlib.LayerKV(
                 k=k,
                 v=gather_pages(pool.v[layer], tab),
                 lengths=held[:, layer],
-                scores=jnp.zeros(k.shape[:3], jnp.float32) if observes else None,
+                scores=scores,
                 **{name: gather_pages(getattr(pool, name)[layer], tab) for name in _scaled(pool)},
             )
         )
@@ -165,8 +191,14 @@ def paged_step(
     tok = sample(logits, sampling, sample_index)
     writes = (pages, slots % page, *new)
     if policy is None:
-        return tok, writes
-    return tok, writes, kept_slots(policy, kv, config.num_layers, n_new, budgets, start)
+        return tok, writes, None, None
+    kept = kept_slots(policy, kv, config.num_layers, n_new, budgets, start, sensitivity)
+    if not accumulates:
+        return tok, writes, kept, None
+    # Every stored token received attention: all of each head's mass goes back to its pages.
+    mass = jnp.stack([x.scores for x in kv.layers], axis=1)  # [B, L, K, M * page]
+    lengths = jnp.stack([x.lengths for x in kv.layers], axis=1)  # [B, L, K]
+    return tok, writes, kept, (mass, lengths)
 
 
 def ring_slots(layer: kvlib.LayerKV, position) -> jax.Array:
@@ -177,7 +209,7 @@ def ring_slots(layer: kvlib.LayerKV, position) -> jax.Array:
     return jnp.argmax(hit, axis=-1).astype(jnp.int32)[..., None]
 
 
-def kept_slots(policy, kv: kvlib.KVState, num_layers: int, n_new, budgets, start):
+def kept_slots(policy, kv: kvlib.KVState, num_layers: int, n_new, budgets, start, sensitivity):
     """What `policy` keeps of each row whose whole prompt is in `kv` (the step's dense copy):
     per head, its slots with the kept ones first, in slot order `[B, L, K, S]`, and how many
     are kept `[B, L, K]`."""
@@ -186,6 +218,7 @@ def kept_slots(policy, kv: kvlib.KVState, num_layers: int, n_new, budgets, start
         budgets=budgets,
         now=start + n_new - 1,
         num_layers=num_layers,
+        sensitivity=sensitivity,
     )
     order, counts = [], []
     for i, layer in enumerate(kv.layers):
@@ -202,7 +235,7 @@ def copy_slots(pool: PagedKV, moves) -> PagedKV:
     is read before any destination is written, so a head may compact into its own pages."""
     layer, src, src_off, dst, dst_off = moves
     at = (layer, dst, dst_off)
-    names = ("k", "v", *_scaled(pool))
+    names = _per_token(pool)
     return dataclasses.replace(
         pool, **{n: scatter_set(getattr(pool, n), at, getattr(pool, n)[layer, src, src_off])
                  for n in names},
@@ -250,6 +283,20 @@ def write_pages(pool: PagedKV, writes) -> PagedKV:
         pool,
         **{n: scatter_set(getattr(pool, n), at, x) for n, x in zip(names, values, strict=True)},
     )
+
+
+@functools.partial(jax.jit, donate_argnames=("pool",))
+def write_mass(pool: PagedKV, tables, mass, lengths) -> PagedKV:
+    """Writes back the attention mass of every token a step's rows hold (H2O accumulates it
+    over every query), in place: `tables` `[B, L, K, M]`, `mass` `[B, L, K, M * page_size]`,
+    `lengths` `[B, L, K]` (slots past a head's length are dropped)."""
+    page = pool.page_size
+    s = jnp.arange(mass.shape[-1], dtype=jnp.int32)
+    pages = jnp.take(tables, s // page, axis=-1)  # [B, L, K, S]
+    pages = jnp.where(s < lengths[..., None], pages, pool.num_pages)
+    layer = jnp.broadcast_to(jnp.arange(pages.shape[1])[None, :, None, None], pages.shape)
+    at = (layer, pages, jnp.broadcast_to(s % page, pages.shape))
+    return dataclasses.replace(pool, mass=scatter_set(pool.mass, at, mass))
 
 
 def bucket(n: int, low: int = 1) -> int:

@@ -1,6 +1,7 @@
-"""KV policies in jkv.Engine: a policy that compresses once, after the prompt, runs on the
-engine's pages and gives the tokens `jkv.generate` gives that request alone (float32), and its
-compression frees pages: each (layer, kv head) keeps only the pages its kept tokens fill."""
+"""KV policies in jkv.Engine: a policy that compresses once, after the prompt (and the rings,
+StreamingLLM and H2O), runs on the engine's pages and gives the tokens `jkv.generate` gives that
+request alone (float32), and its compression frees pages: each (layer, kv head) keeps only the
+pages its kept tokens fill."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import numpy as np
 import pytest
 
 import jkv
+from jkv.engine import engine as engine_module
 from jkv.engine.engine import Engine
-from jkv.engine.runner import copy_slots, paged_step, write_pages
-from jkv.policies import AdaKV, PyramidKV, Quantile, SnapKV, StreamingLLM
+from jkv.engine.runner import copy_slots, paged_step, write_mass, write_pages
+from jkv.policies import H2O, AdaKV, EffiCache, PyramidKV, Quantile, SnapKV, StreamingLLM
 
 
 @pytest.fixture(scope="module")
@@ -24,18 +26,22 @@ def alone(params, ids, **settings):
     return list(jkv.generate(params, ids, **settings).tokens)
 
 
+SNAPKV = SnapKV(budget=12, window=8, kernel=3, pool="max")
+RING = StreamingLLM(budget=24, sink=4)  # a ring of 24 slots from the prompt's end
 POLICIES = [
-    SnapKV(budget=12, window=8, kernel=3, pool="max"),
+    SNAPKV,
+    EffiCache(budget=0.3, window=8, short_window=4),  # its gradient pass changes these tokens
+    H2O(budget=20, recent=6),  # a ring evicting the lightest by the mass kept in the pool
     PyramidKV(budget=0.3, window=8),
     AdaKV(budget=0.25, window=8),
     Quantile(q=0.6, window=4),
-    StreamingLLM(budget=24, sink=4),  # a ring of 24 slots from the prompt's end
-    StreamingLLM(budget=40, sink=2),  # short prompts fill up while decoding, then ring
+    RING,
+    StreamingLLM(budget=40, sink=4),  # short prompts fill up while decoding, then ring
     None,  # the full cache
 ]
 RUNS = {  # kv dtype -> the policies of its requests, in arrival order
     "float32": POLICIES,
-    "float8_e4m3fn": [POLICIES[0], None, POLICIES[4], POLICIES[0]],  # scales move with tokens
+    "float8_e4m3fn": [SNAPKV, None, RING, SNAPKV],  # scales move with tokens
 }
 
 
@@ -47,7 +53,7 @@ def test_compressed_requests_arriving_at_random_steps_match_generate_alone(demo,
     policies = RUNS[kv_dtype]
     rng = random.Random(len(policies))
     engine = Engine(demo, num_pages=105, page_size=4, token_budget=32, chunk=16, max_running=3,
-                    kv_dtype=kv_dtype, admission="optimistic")  # fmt: skip
+                    kv_dtype=kv_dtype, admission="optimistic", attention_mass=True)  # fmt: skip
     prompts = [[rng.randrange(3, demo.config.vocab_size) for _ in range(rng.randint(33, 60))]
                for _ in policies]  # fmt: skip
     settings = [dict(kv_policy=p, kv_dtype=kv_dtype) for p in policies]
@@ -112,22 +118,28 @@ def test_a_compressed_request_may_start_from_cached_pages(demo):
 
 
 def test_no_step_compiles_after_warmup_with_policies(demo):
-    engine = Engine(demo, num_pages=64, page_size=8, chunk=16, max_running=1, max_model_len=32)
-    engine.warmup(kv_policies=[SnapKV(window=8)])
-    before = paged_step._cache_size(), write_pages._cache_size(), copy_slots._cache_size()
+    """Warmed for EffiCache (SnapKV's votes, then its gradient pass per prompt bucket) and H2O
+    (its mass write-back): requests of each and of the full cache, at other budgets, compile
+    nothing."""
+    engine = Engine(demo, num_pages=64, page_size=16, chunk=16, max_running=1, max_model_len=32,
+                    attention_mass=True)  # fmt: skip
+    engine.warmup(kv_policies=[H2O(budget=8, recent=2), EffiCache(window=8)])
+    compiled = (paged_step, write_pages, copy_slots, write_mass, engine_module._sensitivity)
+    before = [f._cache_size() for f in compiled]
     rng = random.Random(1)
-    for policy in (SnapKV(budget=0.5, window=8), SnapKV(budget=5, window=8), None):
-        prompts = [[rng.randrange(3, 100) for _ in range(rng.randint(9, 20))] for _ in range(3)]
+    for policy in (EffiCache(budget=0.5, window=8), EffiCache(budget=5, window=8), None,
+                   H2O(budget=6, recent=2)):  # fmt: skip
+        prompts = [[rng.randrange(3, 100) for _ in range(rng.randint(9, 20))] for _ in range(2)]
         engine.generate(prompts, max_new_tokens=4, kv_policy=policy)
-    after = paged_step._cache_size(), write_pages._cache_size(), copy_slots._cache_size()
-    assert after == before
+    assert [f._cache_size() for f in compiled] == before
 
 
 def test_policies_the_engine_does_not_serve_get_clear_errors(demo):
     engine = Engine(demo, num_pages=64, page_size=8, chunk=16)
-    for name in ("h2o", "efficache", "snapkv_segments"):
-        with pytest.raises(ValueError, match=f"kv_policy='{name}'"):
-            engine.add_request([5, 6, 7], kv_policy=name, kv_budget=8)
+    with pytest.raises(ValueError, match=r"kv_policy='h2o' evicts by attention mass.*attention_m"):
+        engine.add_request([5, 6, 7], kv_policy="h2o", kv_budget=8)
+    with pytest.raises(ValueError, match="kv_policy='snapkv_segments'.*one-shot path"):
+        engine.add_request([5, 6, 7], kv_policy="snapkv_segments", kv_budget=8)
     with pytest.raises(ValueError, match="window=32: its observation window must run in one"):
         engine.add_request([5, 6, 7], kv_policy="snapkv", kv_budget=8)
     assert not engine.has_work and engine.pool.used_pages == 0
