@@ -17,6 +17,26 @@ os.environ["JKV_COMPILE_CACHE"] = "0"
 ALL_KINDS = sorted(KINDS)
 
 
+def pytest_configure(config):
+    """One persistent XLA compilation cache for the whole run, shared by xdist's workers: a
+    program another test module (or worker) already compiled is read back, not compiled again
+    (`_release_compiled_programs` drops them from memory after each module). Off with
+    JKV_TEST_COMPILE_CACHE=0."""
+    if os.environ.get("JKV_TEST_COMPILE_CACHE") == "0":
+        return
+    import tempfile
+
+    import jax
+
+    folder = os.environ.get("JKV_TEST_COMPILE_CACHE_DIR")
+    if folder is None:  # the controller makes it; xdist's workers inherit the variable
+        folder = tempfile.mkdtemp(prefix="jkv-test-xla-")
+        os.environ["JKV_TEST_COMPILE_CACHE_DIR"] = folder
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 @pytest.fixture(scope="session")
 def hf_checkpoint(tmp_path_factory):
     """`hf_checkpoint(kind, **overrides)` -> folder of a tiny random HF checkpoint (cached)."""

@@ -36,7 +36,7 @@ def count_compiles():
         jax.monitoring.unregister_event_duration_listener(listener)
 
 
-def _requests(seed: int, vocab: int, n: int = 30, policy: str | None = None):
+def _requests(seed: int, vocab: int, n: int = 20, policy: str | None = None):
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):
