@@ -27,21 +27,27 @@ def alone(params, ids, **settings):
 
 
 SNAPKV = SnapKV(budget=12, window=8, kernel=3, pool="max")
+EFFICACHE = EffiCache(budget=0.3, window=8, short_window=4)  # its gradient pass changes tokens
+HEAVY = H2O(budget=20, recent=6)  # a ring evicting the lightest by the mass kept in the pool
+PYRAMID, ADA = PyramidKV(budget=0.3, window=8), AdaKV(budget=0.25, window=8)
+QUANTILE = Quantile(q=0.6, window=4)
 RING = StreamingLLM(budget=24, sink=4)  # a ring of 24 slots from the prompt's end
 POLICIES = [
     SNAPKV,
-    EffiCache(budget=0.3, window=8, short_window=4),  # its gradient pass changes these tokens
-    H2O(budget=20, recent=6),  # a ring evicting the lightest by the mass kept in the pool
-    PyramidKV(budget=0.3, window=8),
-    AdaKV(budget=0.25, window=8),
-    Quantile(q=0.6, window=4),
+    EFFICACHE,
+    HEAVY,
+    PYRAMID,
+    ADA,
+    QUANTILE,
     RING,
     StreamingLLM(budget=40, sink=4),  # short prompts fill up while decoding, then ring
     None,  # the full cache
 ]
-RUNS = {  # kv dtype -> the policies of its requests, in arrival order
+RUNS = {  # kv dtype -> the policies of its requests, in arrival order: every policy in float32
+    # and in one of the narrow dtypes (scales and mass move with their tokens)
     "float32": POLICIES,
-    "float8_e4m3fn": [SNAPKV, None, RING, SNAPKV],  # scales move with tokens
+    "float8_e4m3fn": [SNAPKV, HEAVY, None, RING, ADA],
+    "bfloat16": [PYRAMID, EFFICACHE, QUANTILE],  # the full cache: tests/engine/test_engine.py
 }
 
 
