@@ -32,9 +32,18 @@ def pytest_configure(config):
     if folder is None:  # the controller makes it; xdist's workers inherit the variable
         folder = tempfile.mkdtemp(prefix="jkv-test-xla-")
         os.environ["JKV_TEST_COMPILE_CACHE_DIR"] = folder
+        config._jkv_compile_cache = folder  # removed by the process that made it
     jax.config.update("jax_compilation_cache_dir", folder)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "_jkv_compile_cache", None)
+    if folder is not None:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -260,7 +260,8 @@ class Engine:
         return rid
 
     def _check_policy(self, policy) -> None:
-        """The policies the engine serves: those that select once, after the prompt."""
+        """The policies the engine serves: all but the segment rebuild (H2O only with the
+        pool's attention mass), each with an observation window that fits one step."""
         if policy is None:
             return
         if policy.wants_mass and not self.attention_mass:

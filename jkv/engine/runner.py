@@ -118,8 +118,9 @@ def paged_step(
       limits: `[B]` int32 slots an evicting policy's row holds (a ring; `KVState.limit`).
       sensitivity: `[B, L, K]` float32 head sensitivity of rows whose prompt ends in the step
         (EffiCache, `head_sensitivity`), or None.
-      policy: a compressing KV policy's `jit_key()` (it observes the step, SnapKV's window
-        votes, and selects what each row would keep), or None.
+      policy: a KV policy's `jit_key()` (it observes the step, SnapKV's window votes or
+        H2O's mass, evicts into a ring if it evicts, and selects what each row would keep), or
+        None.
 
     Returns:
       (`[B]` int32 sampled tokens (meaningful for rows whose step reaches their last known
