@@ -17,9 +17,11 @@ from jkv import __version__
 from jkv.checkpoints import DEMO_DIR, default_name
 from jkv.checkpoints.hf import check_headers
 from jkv.checkpoints.orbax import MARKER, config_from_json, read_meta
+from jkv.compile_time import compile_cache_dir, use_compile_cache
 from jkv.kv import KV_DTYPES
 from jkv.memory import memory, token_bytes
 from jkv.response_cache import cli as cache_cli
+from jkv.serve import cli as serve_cli
 from jkv_models.config import ModelConfig, preset
 
 
@@ -89,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true")
 
     cache_cli.add_subcommands(sub)
+    serve_cli.add_subcommand(sub)
 
     m = sub.add_parser("memory", help="KV-cache bytes for a model, batch, context and policy")
     m.add_argument("model", help="a checkpoint folder or a preset name")
@@ -188,29 +191,6 @@ def cmd_export_hf(args) -> int:
     return 0
 
 
-def compile_cache_dir() -> Path | None:
-    """Where the CLI keeps compiled programs: $JKV_COMPILE_CACHE (0: nowhere), else the user's
-    cache dir."""
-    if os.environ.get("JKV_COMPILE_CACHE") == "0":
-        return None
-    if os.environ.get("JKV_COMPILE_CACHE"):
-        return Path(os.environ["JKV_COMPILE_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "jkv" / "xla"
-
-
-def use_compile_cache() -> None:
-    """JAX's persistent compilation cache: a second `jkv generate` reads its programs."""
-    import jax
-
-    folder = compile_cache_dir()
-    if folder is None:
-        return
-    jax.config.update("jax_compilation_cache_dir", str(folder))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
 def cmd_generate(args) -> int:
     if not args.no_compile_cache:
         use_compile_cache()
@@ -304,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError("a command is required: " + ", ".join([*COMMANDS, "cache"]))
         if args.command == "cache":
             return cache_cli.run(args)
+        if args.command == "serve":
+            return serve_cli.run(args)
         return COMMANDS[args.command](args)
     except (UsageError, ValueError) as e:
         message = str(e).replace("pass overwrite=True", "pass --overwrite")  # the CLI's spelling

@@ -7,7 +7,9 @@ from JAX's persistent compilation cache instead of compiled (the CLI turns that 
 
 from __future__ import annotations
 
+import os
 import threading
+from pathlib import Path
 
 import jax
 
@@ -46,3 +48,24 @@ def totals() -> tuple[float, int]:
     """(seconds compiling, persistent-cache hits) of this thread so far."""
     _install()
     return getattr(_local, "seconds", 0.0), getattr(_local, "hits", 0)
+
+
+def compile_cache_dir() -> Path | None:
+    """Where the CLI keeps compiled programs: $JKV_COMPILE_CACHE (0: nowhere), else the user's
+    cache dir."""
+    if os.environ.get("JKV_COMPILE_CACHE") == "0":
+        return None
+    if os.environ.get("JKV_COMPILE_CACHE"):
+        return Path(os.environ["JKV_COMPILE_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "jkv" / "xla"
+
+
+def use_compile_cache() -> None:
+    """JAX's persistent compilation cache: a second `jkv generate` reads its programs."""
+    folder = compile_cache_dir()
+    if folder is None:
+        return
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

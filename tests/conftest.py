@@ -89,3 +89,14 @@ def _release_compiled_programs():
 
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A real redis-server on a free loopback port (tests/redis_proc.py), killed after the test."""
+    from redis_proc import RedisServer
+
+    server = RedisServer(tmp_path)
+    server.start()
+    yield server
+    server.kill()

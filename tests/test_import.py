@@ -1,4 +1,5 @@
-"""`import jkv` stays light: no torch, transformers, redis or kvpress at import time."""
+"""`import jkv` stays light: no torch, transformers, redis, kvpress, nor the server's web
+framework, metrics or tracing at import time."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import sys
 
 def test_import_jkv_is_light():
     code = (
-        "import sys, jkv; heavy = [m for m in ('torch', 'transformers', 'redis', 'kvpress')"
-        " if m in sys.modules]; print(heavy)"
+        "import sys, jkv, jkv.cli; heavy = [m for m in ('torch', 'transformers', 'redis',"
+        " 'kvpress', 'fastapi', 'starlette', 'uvicorn', 'opentelemetry', 'prometheus_client',"
+        " 'jinja2') if m in sys.modules]; print(heavy)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

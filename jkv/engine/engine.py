@@ -72,6 +72,9 @@ class RequestOutput:
     finish_reason: str | None  # "stop" (eos or a stop string), "length" or None while running
     cached_tokens: int  # prompt tokens taken from the prefix cache
     text: str = ""  # new text no later token can change (all of the rest once finished)
+    scheduled_at: float | None = None  # time.monotonic() when a step first ran its prompt
+    pages: int = 0  # pages it held in this step (all heads)
+    preemptions: int = 0  # times it was preempted (its pages freed, its tokens recomputed)
 
 
 class _Row:
@@ -303,6 +306,10 @@ class Engine:
         token (or finished) in it."""
         plan = self.scheduler.schedule()
         self._steps += 1
+        now = time.monotonic()
+        for r in plan.scheduled:
+            if r.seq.first_scheduled is None:
+                r.seq.first_scheduled = now
         sampled: dict[str, int] = {}
         kept: dict[str, tuple] = {}  # what a policy keeps of prompts that end in this step
         groups: dict[object, list] = {}  # decodes, then prefill chunks by the policy they feed
@@ -314,7 +321,9 @@ class Engine:
             groups.setdefault((one, key), []).append(r)
         for (_, key), rows in groups.items():
             sampled.update(self._run(rows, key, kept))
-        cached = {r.seq.request_id: r.seq.num_cached for r in plan.scheduled}  # before any frees
+        # before any frees: prefix-cache hits and pages held
+        cached = {r.seq.request_id: r.seq.num_cached for r in plan.scheduled}
+        held = {r.seq.request_id: len(r.seq.pages()) for r in plan.scheduled}
         finished = {s.request_id for s in self.scheduler.finish_step(plan, sampled)}
         for r in plan.scheduled:
             if r.seq.status is Status.RUNNING and r.seq.awaits_compression:
@@ -330,7 +339,19 @@ class Engine:
                 self.scheduler.finish(r.seq, "stop")
                 finished.add(rid)
             reason = "stop" if row.stopped else r.seq.finish_reason
-            outs.append(RequestOutput(rid, tokens, rid in finished, reason, cached[rid], text))
+            outs.append(
+                RequestOutput(
+                    rid,
+                    tokens,
+                    rid in finished,
+                    reason,
+                    cached[rid],
+                    text,
+                    r.seq.first_scheduled,
+                    held[rid],
+                    r.seq.preemptions,
+                )  # fmt: skip
+            )
             if rid in finished:
                 self._requests.pop(rid, None)
                 self._rows.pop(rid, None)
@@ -456,6 +477,7 @@ class Engine:
     def _requests_probe(self) -> Request:
         return Request.build(self.params)
 
+    @_locked
     def stats(self) -> dict:
         """Counters for monitoring: pages (total usable, used by requests, free, cached and
         idle), the share in use, prefix-cache lookups and hits (blocks) and hit rate, pages
@@ -482,9 +504,16 @@ class Engine:
         """Adds a request and yields its `RequestOutput`s as the engine steps, for asyncio
         callers: many streams share the engine's steps, which run in a worker thread so the
         event loop stays free. Leaving the iteration early aborts the request (its pages go
-        back). Takes `add_request`'s arguments."""
-        rid = self.add_request(prompt, **settings)
-        queue = self._queues[rid] = asyncio.Queue()
+        back). Takes `add_request`'s arguments; the request is added in a worker thread too
+        (it waits for a running step)."""
+        rid = settings.pop("request_id", None)
+        rid = f"stream-{next(self._ids)}" if rid is None else rid
+        queue = self._queues[rid] = asyncio.Queue()  # before the request: no output is missed
+        try:
+            await asyncio.to_thread(self.add_request, prompt, request_id=rid, **settings)
+        except BaseException:
+            self._queues.pop(rid, None)
+            raise
         if self._driver is None or self._driver.done():
             self._driver = asyncio.get_running_loop().create_task(self._drive())
         finished = False

@@ -41,6 +41,7 @@ class Sequence:
     compressed: bool = False
     finish_reason: str | None = None
     preemptions: int = 0
+    first_scheduled: float | None = None  # time.monotonic() of the first step that ran it
 
     @property
     def tokens(self) -> list[int]:
