@@ -30,6 +30,13 @@ def add_subcommand(sub) -> None:
     s.add_argument("--token-budget", type=int, default=256, help="tokens per engine step")
     s.add_argument("--chunk", type=int, default=128, help="prefill chunk (tokens)")
     s.add_argument("--attention-mass", action="store_true", help="keep H2O's mass in the pool")
+    s.add_argument("--recycle", choices=("lazy", "watermark"), default="lazy",
+                   help="when cached pages are taken back (default lazy, as vLLM)")  # fmt: skip
+    s.add_argument("--recycle-below", type=float, default=0.15, help="the watermark's free share")
+    s.add_argument("--admission-headroom", type=float, default=0.0,
+                   help="pool share a new request must leave free")  # fmt: skip
+    s.add_argument("--admission", choices=("reserve", "optimistic"), default="reserve",
+                   help="reserve: pages for max_tokens at admission; optimistic: preempt later")  # fmt: skip
     s.add_argument("--redis-url", default=None, help="the response cache's L2 (Redis)")
     s.add_argument("--no-response-cache", action="store_true")
     s.add_argument("--max-queued-requests", type=int, default=512)
@@ -68,6 +75,10 @@ def run(args: argparse.Namespace) -> int:
         chunk=args.chunk,
         kv_dtype=args.kv_dtype,
         attention_mass=args.attention_mass,
+        recycle=args.recycle,
+        recycle_below=args.recycle_below,
+        admission_headroom=args.admission_headroom,
+        admission=args.admission,
     )
     defaults = {}
     if args.kv_policy is not None:

@@ -18,9 +18,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from server_harness import Running, small_engine
 
 import jkv
 from jkv.cli import main
+from jkv.serve.server import Server
 
 ROOT = Path(__file__).resolve().parents[2]
 FENCE = re.compile(r"^```(\w+)\n(.*?)^```", re.S | re.M)
@@ -67,10 +69,18 @@ def test_python_examples_run(redis_url, tmp_path, monkeypatch):
             )
             assert proc.returncode == 0, f"README python block {i}:\n{block}\n{proc.stderr}"
             continue
+        running = None
+        if "http://127.0.0.1:8000/v1" in block:  # the server example: a real jkv server
+            params = jkv.load("demo")
+            running = Running(Server(params, small_engine(params, token_budget=256, chunk=128)))
+            block = block.replace("http://127.0.0.1:8000", running.url)
         try:
             exec(compile(block, f"README python block {i}", "exec"), namespace)
         except Exception as e:
             pytest.fail(f"README python block {i} failed: {e!r}\n{block}")
+        finally:
+            if running is not None:
+                running.stop()
     namespace["cache"].close()
 
 

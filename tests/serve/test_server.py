@@ -78,7 +78,7 @@ def test_completions_and_chat_equal_generate_streamed_or_not(shared, demo_params
     # the wire: server-sent events ending with data: [DONE]
     body = {"model": "jkv-demo", "prompt": "The code", "max_tokens": 3, "temperature": 0,
             "stream": True, "seed": 5}  # fmt: skip
-    with httpx.stream("POST", shared.url + "/v1/completions", json=body) as r:
+    with httpx.stream("POST", shared.url + "/v1/completions", json=body, timeout=120) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         events = [line for line in r.iter_lines() if line]
     assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
@@ -125,7 +125,9 @@ def test_bad_input_gets_400_with_openai_error_json(shared, name, body, param):
     path = "/v1/chat/completions" if name == "messages" else "/v1/completions"
     if isinstance(body, dict):
         body = json.dumps({"model": "jkv-demo", "prompt": "The code", **body}).encode()
-    r = httpx.post(shared.url + path, content=body, headers={"content-type": "application/json"})
+    r = httpx.post(
+        shared.url + path, content=body, headers={"content-type": "application/json"}, timeout=120
+    )
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["message"]
@@ -149,7 +151,7 @@ def test_response_cache_answers_repeats_never_across_tenants(demo_params, serve,
 
     def ask(running, **body):
         body = {"model": "jkv-demo", "prompt": PROMPT, "max_tokens": 6, **body}
-        r = httpx.post(running.url + "/v1/completions", json=body)
+        r = httpx.post(running.url + "/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         return r.headers["x-jkv-cache"], r.json()["usage"]["jkv_cache"], r.json()
 
@@ -168,10 +170,10 @@ def test_response_cache_answers_repeats_never_across_tenants(demo_params, serve,
     # another server on the same Redis: its L1 is empty, L2 answers
     b = serve(Server(demo_params, engine, response_cache=caches[1]))
     assert ask(b, temperature=0)[:2] == ("l2", "l2")
-    text = json.dumps(httpx.get(a.url + "/metrics").text)
+    text = json.dumps(httpx.get(a.url + "/metrics", timeout=60).text)
     assert 'jkv:response_cache_hits_total{level=\\"l1\\",model_name=\\"jkv-demo\\"} 3.0' in text
     # streamed hits say so too
-    with httpx.stream("POST", b.url + "/v1/completions", json={
+    with httpx.stream("POST", b.url + "/v1/completions", timeout=120, json={
         "model": "jkv-demo", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "stream": True,
     }) as r:  # fmt: skip
         assert r.headers["x-jkv-cache"] == "l1"
@@ -219,7 +221,7 @@ def test_a_burst_past_the_queue_limit_gets_503_for_the_excess_only(demo_params, 
         assert r.json()["error"]["code"] == "queue_full"
     answers = {r.json()["choices"][0]["text"] for r in replies if r.status_code == 200}
     assert answers == {expected(demo_params, PROMPT, 8)}  # every accepted request completed
-    scrape = httpx.get(running.url + "/metrics").text
+    scrape = httpx.get(running.url + "/metrics", timeout=60).text
     rejected = [
         s.value
         for f in text_string_to_metric_families(scrape)
@@ -260,7 +262,7 @@ def test_clients_leaving_mid_stream_give_their_pages_back(demo_params, serve):
     stats = engine.stats()
     assert (stats["running"], stats["waiting"], running.server.in_flight) == (0, 0, 0)
     assert stats["pages_used"] == baseline
-    scrape = httpx.get(running.url + "/metrics").text
+    scrape = httpx.get(running.url + "/metrics", timeout=60).text
     assert 'jkv:requests_aborted_total{model_name="jkv-demo"} 7.0' in scrape
 
 
@@ -281,7 +283,7 @@ def test_metrics_have_vllm_names_buckets_and_counts(demo_params, serve):
         ).usage  # fmt: skip
         for i in range(3)
     ]
-    samples = _samples(httpx.get(running.url + "/metrics").text)
+    samples = _samples(httpx.get(running.url + "/metrics", timeout=60).text)
     for name in (
         "jkv:num_requests_running", "jkv:num_requests_waiting", "jkv:kv_cache_usage_perc",
         "jkv:prefix_cache_queries_total", "jkv:prefix_cache_hits_total",
