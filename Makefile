@@ -8,7 +8,7 @@ CORE_STAMP := $(VENV)/.core-installed
 BENCH_STAMP := $(VENV)/.bench-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test bench lint redis clean train-demo
+.PHONY: demo test bench bench-serve lint redis clean train-demo
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -56,9 +56,21 @@ bench: $(BENCH_STAMP)
 	$(PY) benchmarks/kernels_cpu.py
 	$(PY) benchmarks/kv_memory.py
 
+# The serving peer, `transformers serve --continuous-batching`, in an environment of its own:
+# the dev extra's transformers (5.2) fails to stream with continuous batching ("StreamInput
+# must be either an integer or a list of integers"); 5.24 streams.
+PEER_VENV := .venv-peer
+$(PEER_VENV)/bin/transformers:
+	$(PYTHON) -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/pip install -q "torch==2.13.0" || $(PEER_VENV)/bin/pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+	$(PEER_VENV)/bin/pip install -q "transformers[serving]==5.24.0"
+
+bench-serve: $(BENCH_STAMP) $(PEER_VENV)/bin/transformers
+	$(PY) benchmarks/serve_load.py --peer-exe $(PEER_VENV)/bin/transformers
+
 lint: $(DEV_STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(PEER_VENV) build *.egg-info

@@ -61,9 +61,10 @@ CONFIGS = [  # name, kv_policy, kv_budget, kv_dtype
 def run(params, prompts, num_pages, policy, budget, kv_dtype, admission):
     """One pass: every prompt queued at once. Returns (tokens per request, seconds, concurrency
     counts per step, preemptions)."""
+    # admission_headroom=0: the whole pool packs requests (the engine's default keeps 5% free)
     engine = jkv.Engine(params, num_pages=num_pages, page_size=PAGE, token_budget=2048,
-                        chunk=512, max_running=128, kv_dtype=kv_dtype,
-                        admission=admission)  # fmt: skip
+                        chunk=512, max_running=128, kv_dtype=kv_dtype, admission=admission,
+                        admission_headroom=0.0)  # fmt: skip
     settings = dict(max_new_tokens=NEW_TOKENS, kv_policy=policy, kv_budget=budget)
     rids = [engine.add_request(p, **settings) for p in prompts]
     got = {rid: [] for rid in rids}

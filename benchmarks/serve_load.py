@@ -68,7 +68,7 @@ def workload(n: int, seed: int) -> list[dict]:
         asked = rng.choice(names)
         messages = [{"role": "system", "content": SYSTEM},
                     {"role": "user", "content": f"{facts} What is the code for {asked}"}]  # fmt: skip
-        out.append({"messages": messages, "max_tokens": rng.randint(16, 48)})
+        out.append({"id": len(out), "messages": messages, "max_tokens": rng.randint(16, 48)})
     return out
 
 
@@ -121,8 +121,9 @@ def jkv_server(model: str, *extra: str, warmup: bool = True) -> Proc:
     return Proc(cmd, "/health")
 
 
-def peer_server(model: str) -> Proc:
-    exe = shutil.which("transformers", path=str(Path(sys.executable).parent)) or "transformers"
+def peer_server(model: str, exe: str | None = None) -> Proc:
+    exe = exe or shutil.which("transformers", path=str(Path(sys.executable).parent))
+    exe = exe or "transformers"
     cmd = [exe, "serve", "--continuous-batching", "--device", "cpu", "--port", "{port}",
            "--log-level", "warning"]  # fmt: skip
     # its /v1/models scans the Hub cache (absent offline: 500), so any answer means up
@@ -143,7 +144,8 @@ async def request(client, url, model, item, leave_after: int | None = None, extr
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
             **(extra or {})}  # fmt: skip
     t0 = time.perf_counter()
-    rec = {"ok": False, "status": None, "ttft": None, "chunks": [], "tokens": 0, "text": ""}
+    rec = {"id": item.get("id"), "ok": False, "status": None, "ttft": None, "chunks": [],
+           "tokens": 0, "text": ""}  # fmt: skip
     try:
         async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
             rec["status"] = r.status_code
@@ -250,6 +252,15 @@ def scrape(url) -> dict:
     return out
 
 
+def peer_version(exe: str | None) -> str:
+    """`transformers` version of the peer's environment."""
+    exe = exe or shutil.which("transformers", path=str(Path(sys.executable).parent))
+    python = Path(exe).parent / "python"
+    out = subprocess.run([str(python), "-c", "import transformers as t; print(t.__version__)"],
+                         capture_output=True, text=True)  # fmt: skip
+    return f"transformers {out.stdout.strip() or '?'} serve --continuous-batching"
+
+
 def export_model(folder: Path) -> Path:
     """The demo model as a Hugging Face folder carrying jkv's default chat template."""
     from jkv.serve.openai import DEFAULT_CHAT_TEMPLATE
@@ -278,11 +289,23 @@ def main() -> None:
     ap.add_argument("--levels", default="1,16,64,256")
     ap.add_argument("--peer-levels", default=None, help="default: --levels")
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--peer-exe", default=None,
+                    help="the `transformers` executable to run (default: this environment's)")  # fmt: skip
     ap.add_argument("--peer-requests", type=int, default=None,
                     help="requests per peer level (default: as jkv's)")  # fmt: skip
     ap.add_argument("--rate", type=float, default=8.0, help="Poisson arrivals per second")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--parts", default="load,peer,pressure,chaos",
+                    help="what to run; the other parts' rows are kept from the last JSON")  # fmt: skip
     args = ap.parse_args()
+    parts = args.parts.split(",")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    kept, old_meta = [], {}
+    if (out / "serve_load.json").exists():
+        old = json.loads((out / "serve_load.json").read_text())
+        kept = [r for r in old["rows"] if r.get("part") not in parts]
+        old_meta = old.get("meta", {})
     levels = [int(x) for x in args.levels.split(",")]
     peer_levels = [int(x) for x in (args.peer_levels or args.levels).split(",")]
     scale = 1 if args.quick else 2
@@ -295,26 +318,42 @@ def main() -> None:
     meta = {"machine": platform.machine(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
             "slo": SLO, "workload": "streamed chat, shared system message, 1-8 facts, "
             "max_tokens U[16,48], greedy"}  # fmt: skip
+    meta = {**old_meta, **meta}
     print(f"{'run':<44} done/sent  errors, 503s, throughput, latencies")
 
+    def save(part):
+        for r in table:
+            r.setdefault("part", part)
+        rows = kept + table
+        (out / "serve_load.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        plot(rows, out / "serve_load.png")
+
     # 1. jkv at each concurrency, then Poisson arrivals
-    server = jkv_server(model, "--no-response-cache")
+    texts: dict[int, dict] = {}  # concurrency -> request id -> jkv's answer
+    # a pool that holds --max-running (32) requests of this workload at once (16 MiB here)
+    big = ["--num-pages", "4096", "--no-response-cache"]
+    server = jkv_server(model, *big) if "load" in parts else None
     try:
-        for c in levels:
+        for c in levels if server else ():
             items = workload(count(c), seed=c)
-            row(table, f"jkv c={c}", summarise(*asyncio.run(closed_loop(server.url, name, items, c))),
-                system="jkv", concurrency=c)  # fmt: skip
-        items = workload(count(32), seed=7)
-        row(table, f"jkv poisson {args.rate}/s",
-            summarise(*asyncio.run(open_loop(server.url, name, items, args.rate))),
-            system="jkv", rate=args.rate)  # fmt: skip
+            res = asyncio.run(closed_loop(server.url, name, items, c))
+            texts[c] = {r["id"]: r["text"] for r in res[0] if r["ok"]}
+            row(table, f"jkv c={c}", summarise(*res), system="jkv", concurrency=c)
+        if server:
+            items = workload(count(32), seed=7)
+            row(table, f"jkv poisson {args.rate}/s",
+                summarise(*asyncio.run(open_loop(server.url, name, items, args.rate))),
+                system="jkv", rate=args.rate)  # fmt: skip
     finally:
-        server.stop()
+        if server:
+            server.stop()
+    save("load")
 
     # 2. the peer on the same model and requests
-    if not args.no_peer:
+    if not args.no_peer and "peer" in parts:
         try:
-            peer = peer_server(model)
+            peer = peer_server(model, args.peer_exe)
+            meta["peer"] = peer_version(args.peer_exe)
         except Exception as e:  # say why, keep going
             meta["peer_error"] = str(e)[-500:]
             print("transformers serve did not run:", meta["peer_error"])
@@ -324,8 +363,11 @@ def main() -> None:
                     n = count(c) if args.peer_requests is None else max(c, args.peer_requests)
                     items = workload(n, seed=c)
                     res = asyncio.run(closed_loop(peer.url, model, items, c))
+                    same = [texts.get(c, {}).get(r["id"]) == r["text"] for r in res[0]
+                            if r["ok"] and r["id"] in texts.get(c, {})]  # fmt: skip
                     row(table, f"transformers serve c={c}", summarise(*res),
-                        system="transformers", concurrency=c)  # fmt: skip
+                        system="transformers", concurrency=c,
+                        same_text_as_jkv=round(sum(same) / len(same), 3) if same else None)  # fmt: skip
                 items = workload(
                     count(32) if args.peer_requests is None else args.peer_requests, seed=7
                 )
@@ -334,24 +376,39 @@ def main() -> None:
                     system="transformers", rate=args.rate)  # fmt: skip
             finally:
                 peer.stop()
+    save("peer")
 
     # 3. memory pressure: full cache vs SnapKV 25% + fp8; recycling rules
-    small = ["--num-pages", "96", "--admission", "optimistic", "--no-response-cache"]
+    # 256 pages of 16 tokens: 8 per 16 tokens of a request (4 layers x 2 kv heads), so about
+    # four full-cache requests of this workload at once for 64 clients
+    small = ["--num-pages", "256", "--admission", "optimistic", "--no-response-cache"]
     runs = [
-        ("pressure full cache, lazy", []),
+        ("pressure full cache, lazy", ["--admission-headroom", "0"]),
         (
             "pressure SnapKV 25% + fp8, lazy",
-            ["--kv-policy", "snapkv", "--kv-budget", "0.25", "--kv-dtype", "fp8"],
+            [
+                "--kv-policy",
+                "snapkv",
+                "--kv-budget",
+                "0.25",
+                "--kv-dtype",
+                "float8_e4m3fn",
+                "--admission-headroom",
+                "0",
+            ],
         ),  # fmt: skip
         (
             "pressure full cache, watermark 15%",
-            ["--recycle", "watermark", "--recycle-below", "0.15"],
+            ["--recycle", "watermark", "--recycle-below", "0.15", "--admission-headroom", "0"],
         ),  # fmt: skip
         ("pressure full cache, headroom 5%", ["--admission-headroom", "0.05"]),
     ]
-    for label, extra in runs:
-        server = jkv_server(model, *small, *extra)
+    for label, extra in runs if "pressure" in parts else ():
+        # compiled by one untimed pass of other requests (warming every shape up front with
+        # --warmup for SnapKV + fp8 as well ran this machine's compiler out of memory)
+        server = jkv_server(model, *small, *extra, warmup=False)
         try:
+            asyncio.run(closed_loop(server.url, name, workload(count(64) // 2, seed=640), 64))
             before = scrape(server.url)
             items = workload(count(64), seed=64)
             stats = summarise(*asyncio.run(closed_loop(server.url, name, items, 64)))
@@ -364,13 +421,12 @@ def main() -> None:
         finally:
             server.stop()
 
-    # 4. chaos
-    chaos(table, model, name, scale)
+    save("pressure")
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "serve_load.json").write_text(json.dumps({"meta": meta, "rows": table}, indent=1))
-    plot(table, out / "serve_load.png")
+    # 4. chaos
+    if "chaos" in parts:
+        chaos(table, model, name, scale)
+    save("chaos")
     print(f"wrote {out / 'serve_load.json'} and serve_load.png")
     shutil.rmtree(tmp, ignore_errors=True)
 
@@ -414,7 +470,12 @@ def chaos(table, model, name, scale) -> None:
         row(table, f"chaos: burst of {2 * limit} at queue limit {limit}", stats, system="jkv",
             accepted_all_completed=stats["completed"] + stats["rejected_503"] == 2 * limit)  # fmt: skip
 
-        # 100 clients leaving mid-stream: pages back to the baseline
+    finally:
+        server.stop()
+
+    # 100 clients leaving mid-stream: pages back to the baseline
+    server = jkv_server(model, "--no-response-cache")
+    try:
         base = scrape(server.url)
 
         async def leave():
@@ -434,7 +495,9 @@ def chaos(table, model, name, scale) -> None:
                 break
             time.sleep(0.1)
         after = scrape(server.url)
-        row(table, "chaos: 100 clients leave mid-stream", summarise(left, time.perf_counter() - t0),
+        stats = summarise(left, time.perf_counter() - t0)
+        stats["errors"] = sum(1 for r in left if not r["ok"] and not r.get("left"))  # not left
+        row(table, "chaos: 100 clients leave mid-stream", stats,
             system="jkv", left=sum(1 for r in left if r.get("left")),
             running_after=after["jkv:num_requests_running"],
             usage_before=base["jkv:kv_cache_usage_perc"],
@@ -456,7 +519,9 @@ def chaos(table, model, name, scale) -> None:
         res = asyncio.run(term())
         code = server.proc.wait(120)
         stats = summarise(*res)
+        late = sum(1 for r in res[0] if r["ok"] and r["e2e"] > 1.5)  # still running at SIGTERM
         row(table, "chaos: SIGTERM under load, c=64", stats, system="jkv", exit_code=code,
+            in_flight_at_sigterm=late,
             note="requests sent after SIGTERM are refused by the closed socket (errors)")  # fmt: skip
     finally:
         server.stop()

@@ -52,6 +52,9 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.inner.token_to_id(token)
 
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.inner.id_to_token(int(token_id))
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise ValueError(f"text={text!r} must be a str")

@@ -128,7 +128,7 @@ class Engine:
         backend: str | None = None,
         recycle: str = "lazy",
         recycle_below: float = 0.15,
-        admission_headroom: float = 0.0,
+        admission_headroom: float = 0.05,
         admission: str = "reserve",
         attention_mass: bool = False,
     ):

@@ -10,6 +10,7 @@ import signal
 import sys
 
 import jkv
+from jkv.checkpoints import DEMO_DIR
 from jkv.compile_time import use_compile_cache
 from jkv.serve.metrics import JsonFormatter
 from jkv.serve.server import Server, chat_template_of
@@ -33,7 +34,7 @@ def add_subcommand(sub) -> None:
     s.add_argument("--recycle", choices=("lazy", "watermark"), default="lazy",
                    help="when cached pages are taken back (default lazy, as vLLM)")  # fmt: skip
     s.add_argument("--recycle-below", type=float, default=0.15, help="the watermark's free share")
-    s.add_argument("--admission-headroom", type=float, default=0.0,
+    s.add_argument("--admission-headroom", type=float, default=0.05,
                    help="pool share a new request must leave free")  # fmt: skip
     s.add_argument("--admission", choices=("reserve", "optimistic"), default="reserve",
                    help="reserve: pages for max_tokens at admission; optimistic: preempt later")  # fmt: skip
@@ -91,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     cache = None
     if not args.no_response_cache:
         cache = jkv.ResponseCache(args.redis_url)
-    template, special = chat_template_of(args.model) if args.model != "demo" else (None, {})
+    template, special = chat_template_of(DEMO_DIR if args.model == "demo" else args.model)
     server = Server(
         params,
         engine,

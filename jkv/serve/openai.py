@@ -22,10 +22,12 @@ import secrets
 import time
 from typing import Any
 
-# Chat models without a template in their tokenizer config get this one: each message on its
-# own line as "role: content", then "assistant:" for the model to continue.
+# Chat models without a template in their tokenizer config get this one: the bos token, then
+# each message on its own line as "role: content", then "assistant:" for the model to continue.
+# A rendered chat is tokenised without adding special tokens (the template places them, as in
+# transformers and vLLM).
 DEFAULT_CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 ROLES = ("system", "developer", "user", "assistant", "tool")

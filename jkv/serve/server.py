@@ -82,7 +82,8 @@ class Server:
         self.params, self.engine, self.cache = params, engine, response_cache
         self.name = model_name or params.name
         self.max_queued_requests, self.max_queued_tokens = max_queued_requests, max_queued_tokens
-        self.chat_template, self.special = chat_template, special_tokens or {}
+        self.chat_template = chat_template
+        self.special = {**_special_tokens(params), **(special_tokens or {})}
         self.defaults = defaults or {}
         self.obs = Observability(engine, self.name, span_exporter=span_exporter)
         self.queued_requests = 0
@@ -197,7 +198,9 @@ class Server:
     def _settings(self, req: oa.ParsedRequest):
         """The prompt's ids, `jkv.generate`'s settings and their validated form, or 400."""
         try:
-            ids = prompt_ids(self.params, req.prompt, None)
+            # a chat's template placed its special tokens; a completion's prompt gets the bos
+            # token as jkv.generate gives it
+            ids = prompt_ids(self.params, req.prompt, None, special=req.kind != "chat")
         except ValueError as e:
             raise oa.bad("messages" if req.kind == "chat" else "prompt", str(e)) from None
         context = self.engine.max_model_len
@@ -422,6 +425,19 @@ def _param(message: str) -> str | None:
     """The setting a jkv error message names first ("top_p=2: ..." -> "top_p")."""
     head = message.split("=", 1)[0]
     return head if head.isidentifier() else None
+
+
+def _special_tokens(params) -> dict:
+    """bos_token / eos_token by the model's ids (what chat templates call them)."""
+    tok, cfg = params.tokenizer, params.config
+    out = {}
+    if tok is None:
+        return out
+    if cfg.bos_token_id is not None:
+        out["bos_token"] = tok.id_to_token(cfg.bos_token_id) or ""
+    if cfg.eos_token_ids:
+        out["eos_token"] = tok.id_to_token(cfg.eos_token_ids[0]) or ""
+    return out
 
 
 def chat_template_of(model: str) -> tuple[str | None, dict]:

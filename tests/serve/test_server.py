@@ -380,3 +380,20 @@ def test_redis_killed_and_restarted_under_load_fails_no_request(demo_params, ser
     assert texts == {p: {expected(demo_params, p, 4)} for p in prompts}
     assert {r.headers["x-jkv-cache"] for _, r in replies} >= {"miss", "l1"}
     cache.close()
+
+
+def test_queued_prompt_tokens_are_bounded_too(demo_params, serve):
+    n = len(demo_params.tokenizer.encode(PROMPT))
+    running = serve(Server(demo_params, small_engine(demo_params), max_queued_tokens=n + 5))
+    body = {"model": "jkv-demo", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+
+    async def two():
+        async with httpx.AsyncClient(timeout=120) as client:
+            url = running.url + "/v1/completions"
+            return await asyncio.gather(client.post(url, json=body), client.post(url, json=body))
+
+    codes = sorted(r.status_code for r in asyncio.run(two()))
+    assert codes == [200, 503]  # two prompts' tokens do not fit the queue at once
+    longer = {**body, "prompt": PROMPT * 2}  # could never fit: a clear 400, not a 503 forever
+    r = httpx.post(running.url + "/v1/completions", json=longer, timeout=120)
+    assert r.status_code == 400 and "max_queued_tokens" in r.json()["error"]["message"]
