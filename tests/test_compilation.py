@@ -59,7 +59,7 @@ def _requests(seed: int, vocab: int, n: int = 20, policy: str | None = None):
                 kv_policy=policy,
                 kv_budget=float(rng.uniform(0.1, 0.9)) if ratio else int(rng.integers(4, 200)),
             )
-        prompt = rng.integers(3, vocab, size=int(rng.integers(1, 201))).tolist()
+        prompt = rng.integers(3, vocab, size=int(rng.integers(1, 121))).tolist()
         out.append((prompt, kw))
     return out
 

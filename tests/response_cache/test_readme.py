@@ -72,7 +72,7 @@ def test_python_examples_run(redis_url, tmp_path, monkeypatch):
         running = None
         if "http://127.0.0.1:8000/v1" in block:  # the server example: a real jkv server
             params = jkv.load("demo")
-            running = Running(Server(params, small_engine(params, token_budget=256, chunk=128)))
+            running = Running(Server(params, small_engine(params)))
             block = block.replace("http://127.0.0.1:8000", running.url)
         try:
             exec(compile(block, f"README python block {i}", "exec"), namespace)
