@@ -365,15 +365,16 @@ def test_redis_killed_and_restarted_under_load_fails_no_request(demo_params, ser
 
     async def main():
         async with httpx.AsyncClient(timeout=60) as client:
-            work = asyncio.gather(*[load(client, 4) for _ in range(4)])
-            await asyncio.sleep(0.2)
-            await asyncio.to_thread(redis_server.kill)
+            # each worker asks every prompt twice: the second lap may be answered by the cache
+            work = asyncio.gather(*[load(client, 8) for _ in range(4)])
             await asyncio.sleep(0.3)
+            await asyncio.to_thread(redis_server.kill)
+            await asyncio.sleep(0.5)
             await asyncio.to_thread(redis_server.restart)
             return [r for group in await work for r in group]
 
     replies = asyncio.run(main())
-    assert [r.status_code for _, r in replies] == [200] * 16
+    assert [r.status_code for _, r in replies] == [200] * 32
     texts = {}
     for prompt, r in replies:  # every answer to one prompt is the same, cached or not
         texts.setdefault(prompt, set()).add(r.json()["choices"][0]["text"])
