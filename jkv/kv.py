@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jkv_kernels import mask_to_indices, pack_mask, scatter_set
+from jkv_kernels import mask_to_indices, pack_mask, window_set
 
 KV_DTYPES = ("float32", "bfloat16", "float8_e4m3fn")
 SCALE_DTYPE = jnp.bfloat16  # 2 bytes: keeps fp8 KV at ~0.51x bf16 with scales counted
@@ -229,8 +229,8 @@ def append(
     v_new = jnp.swapaxes(v_new, 1, 2)
     changes = {}
     if layer.k_scale is None:
-        changes["k"] = scatter_set(layer.k, (bi, ki, slots), k_new)
-        changes["v"] = scatter_set(layer.v, (bi, ki, slots), v_new)
+        changes["k"] = window_set(layer.k, start, k_new, n_new)
+        changes["v"] = window_set(layer.v, start, v_new, n_new)
     else:
         if quantize_append is None:
             raise ValueError("fp8 KV storage needs a quantize_append function")

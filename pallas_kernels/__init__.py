@@ -8,7 +8,12 @@ The KV cache is K, V [B, K, S, H] with valid lengths [B, K] (slots 0..len-1 are 
 This package never imports `jkv` or `models`: every kernel is usable and testable alone.
 """
 
-from jkv_kernels._backend import scatter_set
+from jkv_kernels._backend import (
+    scatter_set,
+    window_set,
+    window_set_in_place,
+    window_set_scatter,
+)
 from jkv_kernels.decode_attention import decode_attention, decode_attention_reference
 from jkv_kernels.kv_compact import (
     Compacted,
@@ -23,6 +28,7 @@ from jkv_kernels.kv_quantize import (
     quantize,
     quantize_append,
     quantize_append_reference,
+    quantize_append_xla,
     quantize_reference,
 )
 from jkv_kernels.lowrank_attention import (
@@ -49,6 +55,9 @@ from jkv_kernels.window_scores import window_scores, window_scores_reference
 
 __all__ = [
     "scatter_set",
+    "window_set",
+    "window_set_in_place",
+    "window_set_scatter",
     "gather_pages",
     "paged_decode_attention",
     "paged_decode_attention_reference",
@@ -73,6 +82,7 @@ __all__ = [
     "quantize",
     "quantize_append",
     "quantize_append_reference",
+    "quantize_append_xla",
     "quantize_reference",
     "segment_merge",
     "segment_merge_reference",

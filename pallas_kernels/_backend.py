@@ -150,6 +150,65 @@ def scatter_set(buf, index, values):
     return lax.bitcast_convert_type(out, buf.dtype)
 
 
+def window_set(buf, start, values, n_new=None):
+    """Writes `values` `[B, K, T, ...]` into `buf` `[B, K, S, ...]` at slots `start[b, k] + t`
+    for t < n_new[b] (every t without `n_new`), dropping slots at or past S: the result of
+    `scatter_set` for a window of T consecutive slots per (row, kv head).
+
+    On CPU, 8- and 16-bit float buffers are written in place (`window_set_in_place`): XLA:CPU
+    copies such a buffer around any scatter (widened to float32, or as its bits: a whole copy of
+    the cache per layer for a write of a few tokens). Elsewhere, and for wider dtypes, a scatter
+    (`window_set_scatter`, in place)."""
+    values = values.astype(buf.dtype)
+    narrow = jnp.issubdtype(buf.dtype, jnp.floating) and buf.dtype.itemsize <= 2
+    if not narrow or values.shape[2] > buf.shape[2]:
+        return window_set_scatter(buf, start, values, n_new)
+    return lax.platform_dependent(
+        buf, start, values, n_new, cpu=window_set_in_place, default=window_set_scatter
+    )
+
+
+def _window_live(values, n_new):
+    b, kh, t = values.shape[:3]
+    if n_new is None:
+        return jnp.ones((b, kh, t), bool)
+    return jnp.arange(t)[None, None, :] < n_new[:, None, None]
+
+
+def window_set_scatter(buf, start, values, n_new=None):
+    """`window_set` as one scatter."""
+    b, kh, s = buf.shape[:3]
+    t = values.shape[2]
+    slots = jnp.where(_window_live(values, n_new), start[:, :, None] + jnp.arange(t), s)
+    index = (jnp.arange(b)[:, None, None], jnp.arange(kh)[None, :, None], slots)
+    return scatter_set(buf, index, values)
+
+
+def window_set_in_place(buf, start, values, n_new=None):
+    """`window_set` as one `dynamic_update_slice` per (row, head) of the window merged with its
+    old contents, read before any write (T <= S): XLA updates the buffer in place."""
+    b, kh, s = buf.shape[:3]
+    t = values.shape[2]
+    offs = jnp.arange(t, dtype=jnp.int32)
+    start = start.astype(jnp.int32)
+    s0 = jnp.clip(start, 0, s - t)  # the window starts where dynamic_update_slice clamps it
+    src = offs + (s0 - start)[:, :, None]  # [B, K, T]: the new token each window slot gets
+    idx = jnp.clip(src, 0, t - 1)
+    fresh = (src >= 0) & (src < t) & jnp.take_along_axis(_window_live(values, n_new), idx, 2)
+    tail = (1,) * (buf.ndim - 3)
+    old = jnp.take_along_axis(buf, (s0[:, :, None] + offs).reshape(b, kh, t, *tail), axis=2)
+    new = jnp.take_along_axis(values.astype(buf.dtype), idx.reshape(b, kh, t, *tail), axis=2)
+    merged = jnp.where(fresh.reshape(b, kh, t, *tail), new, old)
+    zeros = (0,) * (buf.ndim - 3)
+
+    def write(i, buf):
+        row, head = i // kh, i % kh
+        window = lax.dynamic_slice(merged, (row, head, 0, *zeros), (1, 1, *merged.shape[2:]))
+        return lax.dynamic_update_slice(buf, window, (row, head, s0[row, head], *zeros))
+
+    return lax.fori_loop(0, b * kh, write, buf)
+
+
 def bits_slice(x, start, n, *, axis):
     """`lax.dynamic_slice_in_dim` with 8- and 16-bit floats sliced as their bits: sliced as
     floats, XLA:CPU widens (and hoists out of a loop) the whole buffer to float32 first."""

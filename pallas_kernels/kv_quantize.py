@@ -270,3 +270,14 @@ def quantize_append_reference(cache, cache_scale, new, start, n_new=None):
     ki = jnp.arange(kh)[None, :, None]
     cache = bk.scatter_set(cache, (bi, ki, slots), values)
     return cache, bk.scatter_set(cache_scale, (bi, ki, slots), scales)
+
+
+@jax.jit
+def quantize_append_xla(cache, cache_scale, new, start, n_new=None):
+    """`quantize_append` on XLA without the kernel: `quantize_append_reference`'s result,
+    written with `window_set` (in place on CPU, where a scatter copies an fp8 cache)."""
+    _check_append(cache, cache_scale, new, start, n_new)
+    values, scales = quantize_reference(new, scale_dtype=cache_scale.dtype)
+    start = jnp.clip(start.astype(jnp.int32), 0, cache.shape[2])
+    cache = bk.window_set(cache, start, values, n_new)
+    return cache, bk.window_set(cache_scale, start, scales, n_new)
