@@ -18,6 +18,9 @@ Part 4, perplexity past the trained context: StreamingLLM token by token (`strea
 chunk by chunk, evicting after each chunk (`chunk_score`), and the full cache both ways.
 Part 5, SnapKV selecting once (its definition) vs compressing each chunk as it arrives
 (`SnapKV(chunked=True)`): exact-match accuracy on held-out 4-fact demo haystacks.
+Part 6, `jkv.memory`'s predicted prefill and decode peaks against XLA's numbers for the programs
+a request compiles (`xla_peaks`, compiled for CPU, never run), weights excluded: the demo model,
+an 8B-shaped layer and the whole 32-layer Llama-3.1-8B at 131,072 tokens.
 
     python benchmarks/long_context.py [--quick] [--out benchmarks/results]
 Writes long_context.json and long_context.png.
@@ -46,8 +49,12 @@ import numpy as np  # noqa: E402
 import jkv  # noqa: E402
 from jkv import kv as kvlib  # noqa: E402
 from jkv.core.attention import cached_attention_reference  # noqa: E402
+from jkv.core.sampling import SamplingArrays  # noqa: E402
+from jkv.decode import DecodeState, decode  # noqa: E402
+from jkv.memory import prefill_plan  # noqa: E402
 from jkv.policies.compress import compress  # noqa: E402
 from jkv.prefill import PREFILL_CHUNK, empty_state, prefill_step  # noqa: E402
+from jkv.request import Request  # noqa: E402
 from jkv_models.config import preset  # noqa: E402
 from jkv_models.llama import forward, param_shapes, rope  # noqa: E402
 
@@ -332,6 +339,102 @@ def part5(n: int, chunk: int) -> dict:
     return out
 
 
+def nbytes(tree) -> int:
+    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def xla_peak(compiled, weights: int) -> int:
+    """A program's peak by XLA: argument + output - aliased + temporary bytes, less `weights`."""
+    m = compiled.memory_analysis()
+    net = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+    return net + m.temp_size_in_bytes - weights
+
+
+def xla_peaks(cfg, batch, seq_len, max_new, dtype, policy, chunk=PREFILL_CHUNK):
+    """(prefill peak, decode peak) in bytes, weights excluded, of the programs a request of
+    `batch` rows of `seq_len` tokens compiles, by XLA's buffer assignment: the prefill step over
+    the cache prefill holds, the eviction after each chunk (policies that compress as the prompt
+    streams in), the compression after prefill (prefill's peak: the largest of these), and the
+    decode loop over the cache after prefill."""
+    weights = param_shapes(cfg)
+    w = nbytes(weights)  # read by the model steps (and EffiCache's compression) only
+    lengths = [seq_len] * batch
+    plan = prefill_plan(cfg.num_layers, lengths, max_new, policy, chunk)
+    key = None if policy is None else policy.jit_key()
+    limits = None if policy is None else policy.row_limits(lengths)
+    kv = jax.eval_shape(
+        lambda: empty_state(cfg, batch, plan.capacity, dtype, policy=key, limit=limits)
+    )
+    spec = jax.ShapeDtypeStruct
+    ints = lambda *shape: spec(shape, jnp.int32)  # noqa: E731
+    n = ints(batch)
+    step = prefill_step.lower(weights, cfg, ints(batch, plan.step), n, kv, policy=key)
+    prefill = [xla_peak(step.compile(), w)]
+    w_compress = w if policy is not None and policy.needs_sensitivity else 0
+    if plan.evict_to is not None:
+        evict = compress.lower(weights, cfg, kv, ints(batch, plan.step), n, n, policy=key,
+                               capacities=plan.evict_to, keep_scores=True)  # fmt: skip
+        prefill.append(xla_peak(evict.compile(), w_compress))
+    if policy is not None:
+        once = compress.lower(weights, cfg, kv, ints(batch, kvlib.bucket(seq_len)), n, n,
+                              policy=key, capacities=plan.final)  # fmt: skip
+        prefill.append(xla_peak(once.compile(), w_compress))
+        kv = jax.eval_shape(lambda: empty_state(cfg, batch, plan.final, dtype, policy=key))
+        if not policy.wants_mass:
+            kv = kv.replace(layers=tuple(x.replace(scores=None) for x in kv.layers))
+    sampling = Request.build(jkv.load("demo")).sampling
+    state = jax.eval_shape(
+        lambda: DecodeState(
+            kv=kv,
+            tokens=jnp.zeros((batch, kvlib.bucket(max_new)), jnp.int32),
+            count=jnp.zeros((batch,), jnp.int32),
+            max_new=jnp.zeros((batch,), jnp.int32),
+            done=jnp.zeros((batch,), bool),
+            last=jnp.zeros((batch,), jnp.int32),
+            sampling=SamplingArrays.build([sampling] * batch, [0] * batch),
+            step=jnp.zeros((), jnp.int32),
+        )
+    )
+    loop = decode.lower(weights, cfg, state, spec((), jnp.int32), eos_ids=(2,))
+    return max(prefill), xla_peak(loop.compile(), w)
+
+
+def part6() -> list[dict]:
+    demo = jkv.load("demo").config
+    layer8b = preset("llama-3.1-8b").replace(num_layers=1)
+    runs = [
+        ("demo", demo, None, "float32", 16384, 1),
+        ("demo", demo, "snapkv", "bfloat16", 16384, 4),
+        ("demo", demo, "streaming", "float8_e4m3fn", 65536, 1),
+        ("demo", demo, "h2o", "float32", 4096, 8),
+        ("8b layer", layer8b, None, "bfloat16", 32768, 1),
+        ("8b layer", layer8b, "snapkv", "float8_e4m3fn", 131072, 1),
+        ("8b", preset("llama-3.1-8b"), "snapkv", "float8_e4m3fn", 131072, 1),
+    ]
+    rows = []
+    for name, cfg, policy, dtype, t, b in runs:
+        budget = None if policy is None else 0.1
+        got = jkv.memory(cfg, b, t, kv_dtype=dtype, kv_policy=policy, kv_budget=budget)
+        t0 = time.perf_counter()
+        prefill, decode_peak = xla_peaks(cfg, b, t, 64, dtype, jkv.policies.resolve(policy, budget))
+        row = {
+            "model": name, "policy": policy or "full", "kv_dtype": dtype, "tokens": t, "batch": b,
+            "predicted_prefill_peak": got.prefill_peak, "xla_prefill_peak": prefill,
+            "predicted_decode_peak": got.decode_peak, "xla_decode_peak": decode_peak,
+            "kv_after_prefill": got.total, "weights": got.weights,
+            "compile_s": round(time.perf_counter() - t0, 1),
+        }  # fmt: skip
+        rows.append(row)
+        print(
+            f"{name:8} {row['policy']:9} {dtype:13} T={t:6d} B={b}: prefill peak predicted "
+            f"{got.prefill_peak / GIB:8.3f} GiB, XLA {prefill / GIB:8.3f} "
+            f"({got.prefill_peak / prefill:.3f}x); decode {got.decode_peak / GIB:8.3f} GiB, "
+            f"XLA {decode_peak / GIB:8.3f} ({got.decode_peak / decode_peak:.3f}x); weights "
+            f"{got.weights / GIB:.2f} GiB beside ({row['compile_s']} s)"
+        )
+    return rows
+
+
 def plot(rows, out: Path) -> None:
     try:
         import matplotlib
@@ -367,7 +470,9 @@ def main(argv=None) -> int:
     )
     p.add_argument("--quick", action="store_true", help="1K-16K only, wall time at 4K")
     p.add_argument("--chunk", type=int, default=PREFILL_CHUNK)
-    p.add_argument("--parts", nargs="+", type=int, default=[1, 2, 3, 4, 5], choices=[1, 2, 3, 4, 5])
+    p.add_argument(
+        "--parts", nargs="+", type=int, default=[1, 2, 3, 4, 5, 6], choices=[1, 2, 3, 4, 5, 6]
+    )
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = p.parse_args(argv)
     lengths = [1024, 4096, 16384] if args.quick else [1024, 4096, 16384, 65536]
@@ -376,8 +481,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "long_context.json"
     old = json.loads(path.read_text()) if path.exists() else {}
-    keys = ("memory", "ratios", "llama_8b_131k", "wall", "streaming_ppl", "snapkv_chunked")
-    rows, r, big, walls, ppl, snap = (old.get(k) for k in keys)
+    keys = ("memory", "ratios", "llama_8b_131k", "wall", "streaming_ppl", "snapkv_chunked", "peaks")
+    rows, r, big, walls, ppl, snap, peaks = (old.get(k) for k in keys)
     if 1 in args.parts:
         rows = part1(lengths, args.chunk)
         r = ratios(rows)
@@ -391,6 +496,8 @@ def main(argv=None) -> int:
         ppl = part4(2 if args.quick else 4, 64)
     if 5 in args.parts:
         snap = part5(8 if args.quick else 48, 64)
+    if 6 in args.parts:
+        peaks = part6()
     result = {
         "benchmark": "long_context",
         "python": platform.python_version(),
@@ -403,6 +510,7 @@ def main(argv=None) -> int:
         "wall": walls,
         "streaming_ppl": ppl,
         "snapkv_chunked": snap,
+        "peaks": peaks,
     }
     path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path} (parts {args.parts} measured now; the others kept from the last run)")

@@ -3,7 +3,7 @@
 Two limits: the model's trained context (`max_position_embeddings`), which a request passes only
 when asked (`allow_beyond_context=True`, flagged in `result.stats`) or under a policy that keeps
 its positions within its cache (StreamingLLM's re-rotation); and the memory the request needs
-(its KV cache, the working set of one prefill step, the token buffer) against what the device
+(the predicted peak of its prefill and of its decoding, `jkv.memory`) against what the device
 has free. Both raise `ValueError` naming the request's values and what would fit.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import jax
 
-from jkv import kv as kvlib
 from jkv.memory import memory
 
 GIB = 2**30
@@ -62,43 +61,32 @@ def available_bytes(device=None) -> int | None:
 
 
 def request_bytes(params, prompt_lengths, max_new_tokens: int, *, policy, kv_dtype, start=0):
-    """Bytes a request allocates at its peak: (KV cache, one prefill step's working set, token
-    buffer). A prefill step takes at most `PREFILL_CHUNK` tokens and attends key block by key
-    block, so its working set is a chunk's activations and its float32 attention tiles, whatever
-    the prompt's length (an estimate: XLA's buffer assignment decides the exact figure)."""
-    cfg = params.config
-    batch, longest = len(prompt_lengths), start + max(prompt_lengths)
-    kv = memory(
+    """(KV cache after prefill, predicted prefill peak, predicted decode peak) in bytes, weights
+    excluded (`jkv.memory`'s `peaks`: the live state plus each step's working set, bounded by
+    the prefill chunk whatever the prompt's length)."""
+    report = memory(
         params,
-        batch,
-        longest,
+        len(prompt_lengths),
+        start + max(prompt_lengths),
         max_new_tokens=max_new_tokens,
         kv_dtype=kv_dtype,
         kv_policy=policy,
-    ).total
-    if policy is not None:  # the prompt's full cache exists until it is compressed
-        kv = max(kv, memory(params, batch, longest, max_new_tokens=0, kv_dtype=kv_dtype).total)
-    c = min(kvlib.bucket(max(prompt_lengths)), kvlib.PREFILL_CHUNK)
-    tiles = cfg.num_heads * (2 * kvlib.ATTENTION_BLOCK + cfg.head_dim)  # scores, probs, output
-    activations = 4 * cfg.hidden_size + 3 * cfg.intermediate_size + cfg.vocab_size // c
-    step = batch * c * (tiles + activations) * 4
-    tokens = batch * kvlib.bucket(max(max_new_tokens, 1)) * 4
-    return kv, step, tokens
+    )
+    return report.total, report.prefill_peak, report.decode_peak
 
 
 def check_memory(params, prompt_lengths, max_new_tokens: int, *, policy, kv_dtype, start=0):
     """Raises ValueError when the request cannot fit in the device's free memory."""
-    parts = request_bytes(
+    kv, prefill, decode = request_bytes(
         params, prompt_lengths, max_new_tokens, policy=policy, kv_dtype=kv_dtype, start=start
     )
     free = available_bytes(params.mesh.devices.flat[0] if params.mesh is not None else None)
-    if free is None or sum(parts) <= free:
+    if free is None or max(prefill, decode) <= free:
         return
-    kv, step, tokens = (x / GIB for x in parts)
     raise ValueError(
         f"this request (batch {len(prompt_lengths)}, longest prompt {max(prompt_lengths)} "
         f"tokens, max_new_tokens={max_new_tokens}, kv_dtype={kv_dtype!r}) needs about "
-        f"{sum(parts) / GIB:.1f} GiB (KV cache {kv:.1f}, a prefill step {step:.1f}, "
-        f"token buffer {tokens:.1f}) but {free / GIB:.1f} GiB are free; lower max_new_tokens, "
-        "the prompt or the batch, or use a kv_policy with a budget"
+        f"{max(prefill, decode) / GIB:.1f} GiB at its peak (prefill {prefill / GIB:.1f}, decode "
+        f"{decode / GIB:.1f}; the KV cache alone {kv / GIB:.1f}) but {free / GIB:.1f} GiB are "
+        "free; lower max_new_tokens, the prompt or the batch, or use a kv_policy with a budget"
     )

@@ -14,12 +14,51 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 from jkv import kv as kvlib
 from jkv import policies
 from jkv.params import Params
 from jkv_models.config import ModelConfig, preset
+
+
+def step_tokens(longest: int, chunk: int, policy) -> int:
+    """Prompt tokens per prefill step: `chunk`, at least an observation window (SnapKV's last W
+    prompt tokens must be in the last step), at most the prompt's bucket (a short prompt is one
+    step)."""
+    window = getattr(policy, "window", 0) or 0
+    return min(max(chunk, kvlib.bucket(window)), kvlib.bucket(longest))
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillPlan:
+    """The shapes a fresh request's prefill allocates (what `jkv.prefill.prepare` builds)."""
+
+    step: int  # prompt tokens per model step
+    capacity: tuple[int, ...]  # slots per layer while the prompt streams in
+    evict_to: tuple[int, ...] | None  # slots per layer each chunk is cut back to, if it is
+    final: tuple[int, ...]  # slots per layer after prefill: the cache decode runs on
+
+
+def prefill_plan(
+    num_layers: int, lengths, max_new_tokens: int, policy, chunk: int = kvlib.PREFILL_CHUNK
+) -> PrefillPlan:
+    """The plan for rows of `lengths` prompt tokens: the full cache holds the prompt's bucket plus
+    the decode headroom's; a policy's cache holds the prompt's bucket until it compresses once,
+    or, for a policy that compresses as the prompt streams in (evicting ones, `chunked=True`),
+    its final capacities plus one step whenever that is smaller."""
+    t = kvlib.bucket(max(lengths))
+    step = step_tokens(max(lengths), chunk, policy)
+    if policy is None:
+        full = (t + kvlib.headroom(max_new_tokens),) * num_layers
+        return PrefillPlan(step=step, capacity=full, evict_to=None, final=full)
+    final = tuple(policy.capacities(num_layers, lengths, max_new_tokens))
+    as_it_arrives = policy.evicts or getattr(policy, "chunked", False)
+    if as_it_arrives and max(final) + step < t:
+        evict_to = tuple(c + step for c in final)
+        return PrefillPlan(step=step, capacity=evict_to, evict_to=evict_to, final=final)
+    return PrefillPlan(step=step, capacity=(t,) * num_layers, evict_to=None, final=final)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +72,10 @@ class MemoryReport:
     slots: tuple[int, ...]  # allocated slots per layer
     bookkeeping: int  # positions and lengths (int32), not in `total`
     segments: int = 0  # slot biases + low-rank factors (SnapKV segment rebuild), in `total`
+    # Predicted peaks of the XLA backend's programs (`peaks`), weights excluded:
+    prefill_peak: int = 0  # a prefill step over the largest cache, or the compression after it
+    decode_peak: int = 0  # a decode step over the cache after prefill
+    weights: int = 0  # the model's weights, beside either peak
 
     def __int__(self) -> int:
         return self.total
@@ -65,6 +108,7 @@ def memory(
     kv_dtype: str | None = None,
     kv_policy=None,
     kv_budget=None,
+    chunk: int = kvlib.PREFILL_CHUNK,
 ) -> MemoryReport:
     """KV-cache bytes for `batch` rows of a `seq_len`-token context.
 
@@ -77,6 +121,11 @@ def memory(
       kv_dtype: "float32", "bfloat16", "float8_e4m3fn" or "float16" (a common serving dtype);
         default: the model's dtype.
       kv_policy, kv_budget: as in `jkv.generate`.
+      chunk: prompt tokens per prefill step, as in `jkv.prefill`.
+
+    Returns:
+      The stored bytes after prefill (`total`, `slots`, ...), the predicted `prefill_peak` and
+      `decode_peak` (weights excluded; `peaks`), and `weights`.
 
     Raises:
       ValueError: naming a bad argument.
@@ -93,10 +142,24 @@ def memory(
     if dtype != "float16":
         kvlib.validate_kv_dtype(dtype)
     policy = policies.resolve(kv_policy, kv_budget)
-    if policy is None:
-        slots = (kvlib.bucket(seq_len) + kvlib.headroom(max_new_tokens),) * cfg.num_layers
-    else:
-        slots = policy.capacities(cfg.num_layers, [seq_len], max_new_tokens)
+    plan = prefill_plan(cfg.num_layers, [seq_len], max_new_tokens, policy, chunk)
+    report = stored(cfg, batch, plan.final, dtype, policy)
+    weights_dtype = model.dtype if isinstance(model, Params) else cfg.dtype
+    prefill_peak, decode_peak = peaks(
+        cfg, batch, plan, max_new_tokens, dtype, policy, weights_dtype=weights_dtype
+    )
+    weights = (
+        sum(x.nbytes for x in jax.tree.leaves(model.weights))
+        if isinstance(model, Params)
+        else cfg.num_params() * jnp.dtype(cfg.dtype).itemsize
+    )
+    return dataclasses.replace(
+        report, prefill_peak=prefill_peak, decode_peak=decode_peak, weights=int(weights)
+    )
+
+
+def stored(cfg: ModelConfig, batch: int, slots, dtype: str, policy) -> MemoryReport:
+    """The bytes of a state of `slots` per layer (no peaks)."""
     per_token = token_bytes(cfg, dtype)
     kv_part = 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
     kv = [batch * s * kv_part for s in slots]
@@ -121,3 +184,92 @@ def memory(
         bookkeeping=bookkeeping + sum(e[1] for e in extra),
         segments=sum(e[0] for e in extra),
     )
+
+
+def state_bytes(cfg: ModelConfig, batch: int, slots, dtype: str, policy, *, scores: bool) -> int:
+    """Every byte of a `KVState` of `slots` per layer: K, V, scales, what the policy adds,
+    positions, lengths and, with `scores`, the per-slot float32 score array."""
+    report = stored(cfg, batch, slots, dtype, policy)
+    return (
+        report.total
+        + report.bookkeeping
+        + (4 * batch * cfg.num_kv_heads * sum(slots) if scores else 0)
+    )
+
+
+F32 = 4
+
+
+def peaks(
+    cfg: ModelConfig,
+    batch: int,
+    plan: PrefillPlan,
+    max_new_tokens: int,
+    dtype: str,
+    policy,
+    *,
+    weights_dtype: str = "float32",
+    platform: str | None = None,
+):
+    """(prefill peak, decode peak) in bytes, weights excluded: the live state plus the working set
+    of the XLA backend's programs, as XLA:CPU's buffer assignment lays them out (measured with
+    `memory_analysis()`; tests/test_memory_peaks.py compares). Each program's state argument is
+    donated, except the compression's (its input and its smaller output are both live).
+
+    Working sets, B rows, C prompt tokens per step, S slots, L layers, N query and K kv heads of
+    H dims, W SnapKV's window:
+      prefill step   B*C*(2*N*256 + 3*N*H + L*N*H) floats (a key block's scores and weights for
+                     every query head, the chunk's projections; XLA keeps one per layer), plus one
+                     layer's K and V in an 8- or 16-bit cache (XLA:CPU reads such a cache through
+                     a copy of its bits), plus an observing policy's window scores over all slots
+                     (B*N*W*S floats, twice unless fp8);
+      compression    7 (8 with attention mass) floats per slot of every layer and kv head;
+      eviction       6 of those, after each chunk of a policy that evicts while the prompt streams;
+      decode step    one layer's V (and K, unless stored in float32) in float32 and two B*N*S
+                     score arrays; StreamingLLM's keys re-rotated in float32 for every layer at
+                     once (XLA:CPU schedules them together);
+    plus the step's tokens and logits. On CPU (`platform`, default: JAX's backend) weights stored
+    in fewer than 32 bits add their float32 copies: XLA:CPU widens every layer's matrices and the
+    output projection for its dots and holds them all (the decode loop the embedding too); XLA on
+    a GPU does not (an H200 held 0.29 GB of temporaries for Llama-3.1-8B's whole chunk step).
+    Not counted: the Pallas backends' kernels (flash tiles instead of a layer's float32 K and V).
+    """
+    b, n, kh, h, nl = batch, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
+    narrow = jnp.dtype(dtype).itemsize < 4
+    fp8 = dtype == "float8_e4m3fn"
+    observes = policy is not None and policy.observes
+    c, s = plan.step, max(plan.capacity)
+    before = state_bytes(cfg, b, plan.capacity, dtype, None, scores=observes)  # plain slots
+
+    attention = b * c * (2 * n * min(kvlib.ATTENTION_BLOCK, s) + 3 * n * h + nl * n * h) * F32
+    if narrow:
+        attention += stored(cfg, b, (s,), dtype, None).total
+    if observes and not policy.wants_mass:
+        attention += (1 if fp8 else 2) * b * n * policy.window * s * F32
+    mlp = b * c * (3 * cfg.intermediate_size + 2 * cfg.hidden_size) * F32
+    io = b * (c + 1 + cfg.vocab_size) * F32  # tokens, lengths, logits
+    prefill = before + io + max(attention, mlp)
+    per_slot = F32 * b * kh * nl
+    if plan.evict_to is not None:
+        prefill = max(prefill, 2 * before + 6 * per_slot * s)
+    after = before
+    if policy is not None:
+        after = state_bytes(cfg, b, plan.final, dtype, policy, scores=policy.wants_mass)
+        select = (8 if policy.wants_mass else 7) * per_slot * s
+        prefill = max(prefill, before + after + select)
+
+    s = max(plan.final)
+    layer_f32 = b * kh * s * h * F32
+    work = layer_f32 * (2 if narrow else 1) + 2 * b * n * s * F32
+    if policy is not None and policy.raw_keys:
+        work = layer_f32 * (nl + (1 if fp8 else 2)) + 2 * b * n * s * F32
+    decode = after + b * (kvlib.bucket(max(max_new_tokens, 1)) + 8) * F32
+    decode += work + 4 * b * cfg.vocab_size * F32  # + the sampler's vocabulary-sized arrays
+    platform = platform or jax.default_backend()
+    if platform == "cpu" and jnp.dtype(weights_dtype).itemsize < F32:
+        table = cfg.vocab_size * cfg.hidden_size
+        tables = 1 if cfg.tie_word_embeddings else 2
+        widened = F32 * (cfg.num_params() - (tables - 1) * table)  # layers + output projection
+        prefill += widened
+        decode += widened + (F32 * table if tables == 2 else 0)
+    return int(prefill), int(decode)

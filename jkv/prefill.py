@@ -20,6 +20,7 @@ from jkv.core.backends import validate_backend
 from jkv.core.step import model_step, next_positions
 from jkv.kv import PREFILL_CHUNK, bucket, headroom
 from jkv.limits import check_context, check_memory
+from jkv.memory import prefill_plan, step_tokens
 from jkv.params import Params
 from jkv.policies.compress import compress
 from jkv.prompt import encode_prompts
@@ -76,13 +77,6 @@ def chunks(prompts: list[list[int]], chunk: int):
         for b, p in enumerate(prompts):
             tokens[b, : n_new[b]] = p[start[b] : start[b] + n_new[b]]
         yield tokens, n_new
-
-
-def step_tokens(prompts, chunk: int, policy) -> int:
-    """Tokens per prefill step: `chunk`, at least an observation window (SnapKV's last W prompt
-    tokens must be in the last step), at most the prompt's bucket (a short prompt is one step)."""
-    window = getattr(policy, "window", 0) or 0
-    return min(max(chunk, bucket(window)), bucket(max(len(p) for p in prompts)))
 
 
 def prefill_chunked(
@@ -178,23 +172,20 @@ def prepare(
         tokens[i, : len(p)] = p
     tokens, n_new = jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32)
 
-    chunk = step_tokens(prompts, chunk, policy if kv_state is None else kv_state.policy)
     evict_to = budgets_after = None
     if kv_state is not None:
         key = kv_state.policy
+        chunk = step_tokens(max(lengths), chunk, key)
         evicting = key is not None and key.evicts
         kv = kvlib.with_room(kv_state, t + (0 if evicting else headroom(max_new_tokens)))
     else:
         key = None if policy is None else policy.jit_key()
-        capacity = t if policy is not None else t + headroom(max_new_tokens)
-        final = policy.capacities(cfg.num_layers, lengths, max_new_tokens) if policy else ()
-        as_it_arrives = policy is not None and (policy.evicts or getattr(policy, "chunked", False))
-        if as_it_arrives and max(final) + chunk < t:  # compress as the prompt streams in
-            capacity = evict_to = tuple(c + chunk for c in final)
-            if not policy.evicts:
-                budgets_after = policy.row_budgets
+        plan = prefill_plan(cfg.num_layers, lengths, max_new_tokens, policy, chunk)
+        chunk, evict_to = plan.step, plan.evict_to
+        if evict_to is not None and not policy.evicts:
+            budgets_after = policy.row_budgets
         limits = None if policy is None else policy.row_limits(lengths)
-        kv = empty_state(cfg, len(prompts), capacity, kv_dtype, policy=key, limit=limits)
+        kv = empty_state(cfg, len(prompts), plan.capacity, kv_dtype, policy=key, limit=limits)
     if params.mesh is not None:
         kv = shard_kv(kv, params.mesh)
     logits, kv = prefill_chunked(
