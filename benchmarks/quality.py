@@ -433,7 +433,7 @@ def main(argv=None) -> int:
     contexts = args.contexts or [trained // 2, trained]
     if args.tiny:
         contexts, args.docs, args.ratios = [min(contexts)], 4, args.ratios[-1:]
-        args.policies = args.policies[:2]
+        args.policies = args.policies[:1]
     results = {
         "model": label,
         "contexts": contexts,

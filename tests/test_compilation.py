@@ -45,7 +45,7 @@ def _requests(seed: int, vocab: int, n: int = 20, policy: str | None = None):
     out = []
     for _ in range(n):
         kw = dict(
-            max_new_tokens=int(rng.integers(1, 65)),
+            max_new_tokens=int(rng.integers(1, 33)),
             temperature=float(rng.choice([0.0, 0.7, 1.0, 1.3])),
             top_k=[None, 5, 40][int(rng.integers(3))],
             top_p=[None, 0.9, 0.5][int(rng.integers(3))],

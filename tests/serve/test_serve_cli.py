@@ -28,7 +28,7 @@ def test_sigterm_finishes_in_flight_streams_then_exits(tmp_path):
         env["JKV_COMPILE_CACHE"] = os.environ["JKV_TEST_COMPILE_CACHE_DIR"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "jkv.cli", "serve", "demo", "--port", str(port), "--max-running",
-         "4", "--num-pages", "256", "--no-response-cache"],
+         "4", "--num-pages", "256", "--no-response-cache", "--shutdown-timeout", "300"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
