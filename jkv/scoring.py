@@ -37,36 +37,73 @@ def one_text(params: Params, text, what: str, *, continuation: bool = False) -> 
     return rows[0]
 
 
-def score(params: Params, text, *, kv_state: kvlib.KVState | None = None, backend=None):
+def score(
+    params: Params,
+    text,
+    *,
+    kv_state: kvlib.KVState | None = None,
+    backend=None,
+    chunk: int = PREFILL_CHUNK,
+):
     """Log-probabilities the model gives each next token of `text` (one row), continuing
     `kv_state` if given (e.g. a context compressed by a policy): perplexity under compression.
+    The text goes through the model `chunk` tokens per step, as prefill does: the working memory
+    is a chunk's logits and attention tiles, whatever the text's length.
 
     Returns:
       float32 numpy `[n - 1]`: log p(token_i | the state and text[:i]) for i = 1..n-1.
     """
     ids = one_text(params, text, "score", continuation=kv_state is not None)
     backend = validate_backend(backend)
+    check_chunk(chunk)
     t = bucket(len(ids))
-    tokens = np.zeros((1, t), np.int32)
-    tokens[0, : len(ids)] = ids
-    cfg = params.config
     if kv_state is not None:
         check_state(kv_state, params.config, 1, None)
         kv, policy = kvlib.with_room(kv_state, t), kv_state.policy
     else:
-        kv, policy = empty_state(cfg, 1, t, params.kv_dtype), None
-    logits, _ = prefill_step(
-        params.weights,
-        cfg,
-        jnp.asarray(tokens),
-        jnp.asarray([len(ids)], jnp.int32),
-        kv,
-        backend=backend,
-        policy=policy,
-        all_logits=True,
-    )
-    logp = np.asarray(jax.nn.log_softmax(logits[0, : len(ids) - 1], axis=-1))
-    return logp[np.arange(len(ids) - 1), np.asarray(ids[1:])].astype(np.float32)
+        kv, policy = empty_state(params.config, 1, t, params.kv_dtype), None
+    return chunked_logp(params, ids, kv, min(chunk, t), backend=backend, policy=policy)
+
+
+def check_chunk(chunk) -> None:
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 16 or chunk & (chunk - 1):
+        raise ValueError(f"chunk={chunk!r} must be a power of two >= 16 (tokens per model step)")
+
+
+def chunked_logp(params, ids, kv, chunk, *, backend, policy, evict_to=None):
+    """log p(ids[i + 1] | ids[:i + 1]) over `kv`, `chunk` tokens per model step; with `evict_to`
+    (an evicting policy's capacities plus one chunk) the policy evicts after every step."""
+    cfg = params.config
+    out, done = [], 0
+    for tokens, n_new in chunks([ids], chunk):
+        tokens, n = jnp.asarray(tokens), int(n_new[0])
+        logits_, kv = prefill_step(
+            params.weights,
+            cfg,
+            tokens,
+            jnp.asarray(n_new),
+            kv,
+            backend=backend,
+            policy=policy,
+            all_logits=True,
+        )
+        targets = ids[done + 1 : done + n + 1]  # the next token of each of this step's tokens
+        logp = jax.nn.log_softmax(logits_[0, : len(targets)], axis=-1)
+        out.append(np.asarray(logp[jnp.arange(len(targets)), jnp.asarray(targets)]))
+        done += n
+        if evict_to is not None:
+            kv = compress(
+                params.weights,
+                cfg,
+                kv,
+                tokens,
+                jnp.asarray(n_new),
+                kv.limit,
+                policy=policy,
+                capacities=evict_to,
+                backend=backend,
+            )
+    return np.concatenate(out).astype(np.float32)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "backend"))
@@ -140,8 +177,7 @@ def chunk_score(params: Params, text, *, policy=None, chunk: int = PREFILL_CHUNK
     ids = one_text(params, text, "chunk_score")
     backend = validate_backend(backend)
     policy = policies.resolve(policy)
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 16 or chunk & (chunk - 1):
-        raise ValueError(f"chunk={chunk!r} must be a power of two >= 16 (tokens per model step)")
+    check_chunk(chunk)
     cfg = params.config
     evict_to, key = None, None
     if policy is None:
@@ -157,36 +193,7 @@ def chunk_score(params: Params, text, *, policy=None, chunk: int = PREFILL_CHUNK
             f"policy={policy.describe()} must evict at a fixed integer budget (e.g. "
             "StreamingLLM(budget=256)); a fractional budget needs the whole text up front"
         )
-    out, done = [], 0
-    for tokens, n_new in chunks([ids], chunk):
-        tokens, n = jnp.asarray(tokens), int(n_new[0])
-        logits_, kv = prefill_step(
-            params.weights,
-            cfg,
-            tokens,
-            jnp.asarray(n_new),
-            kv,
-            backend=backend,
-            policy=key,
-            all_logits=True,
-        )
-        targets = ids[done + 1 : done + n + 1]  # the next token of each of this step's tokens
-        logp = jax.nn.log_softmax(logits_[0, : len(targets)], axis=-1)
-        out.append(np.asarray(logp[jnp.arange(len(targets)), jnp.asarray(targets)]))
-        done += n
-        if evict_to is not None:
-            kv = compress(
-                params.weights,
-                cfg,
-                kv,
-                tokens,
-                jnp.asarray(n_new),
-                kv.limit,
-                policy=key,
-                capacities=evict_to,
-                backend=backend,
-            )
-    return np.concatenate(out).astype(np.float32)
+    return chunked_logp(params, ids, kv, chunk, backend=backend, policy=key, evict_to=evict_to)
 
 
 def logits(params: Params, token_ids) -> jax.Array:

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import jkv
+from jkv import scoring
 from jkv.scoring import score, stream_score
 
 
@@ -40,3 +41,27 @@ def test_bad_policy_and_text(tiny_params, ids):
         stream_score(params, ids[:1])
     with pytest.raises(ValueError, match="one text"):
         stream_score(params, [ids, ids])
+
+
+def test_score_goes_through_the_text_a_chunk_per_step(tiny_params, ids, monkeypatch):
+    """`score(chunk=16)` runs 16-token steps (never the whole text's logits at once) and gives
+    what one step over the whole text gives, also continuing a prefilled state."""
+    params = tiny_params("llama")
+    whole = score(params, ids)  # 150 tokens: one step of the default 512-token chunk
+    context = jkv.prefill(params, ids[:40])
+    after = score(params, ids[40:], kv_state=context)
+    steps = []
+    real = scoring.prefill_step
+
+    def spy(weights, config, tokens, *args, **kwargs):
+        steps.append(tokens.shape)
+        return real(weights, config, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(scoring, "prefill_step", spy)
+    np.testing.assert_allclose(score(params, ids, chunk=16), whole, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        score(params, ids[40:], kv_state=context, chunk=16), after, rtol=1e-5, atol=1e-5
+    )
+    assert set(steps) == {(1, 16)} and len(steps) == 10 + 7
+    with pytest.raises(ValueError, match="chunk=24 must be a power of two"):
+        score(params, ids, chunk=24)
