@@ -227,7 +227,9 @@ def peaks(
       eviction       6 of those, after each chunk of a policy that evicts while the prompt streams;
       decode step    one layer's V (and K, unless stored in float32) in float32 and two B*N*S
                      score arrays; StreamingLLM's keys re-rotated in float32 for every layer at
-                     once (XLA:CPU schedules them together);
+                     once (XLA:CPU schedules them together); on CPU, an 8- or 16-bit cache's K
+                     and V once more (XLA:CPU copies them around the step's scatter; counted
+                     whole, an upper bound: XLA measured 13-26% less on the test's settings);
     plus the step's tokens and logits. On CPU (`platform`, default: JAX's backend) weights stored
     in fewer than 32 bits add their float32 copies: XLA:CPU widens every layer's matrices and the
     output projection for its dots and holds them all (the decode loop the embedding too); XLA on
@@ -266,6 +268,8 @@ def peaks(
     decode = after + b * (kvlib.bucket(max(max_new_tokens, 1)) + 8) * F32
     decode += work + 4 * b * cfg.vocab_size * F32  # + the sampler's vocabulary-sized arrays
     platform = platform or jax.default_backend()
+    if platform == "cpu" and narrow:  # the decode step's scatter copies the cache's K and V
+        decode += sum(stored(cfg, b, (c,), dtype, None).kv for c in plan.final)
     if platform == "cpu" and jnp.dtype(weights_dtype).itemsize < F32:
         table = cfg.vocab_size * cfg.hidden_size
         tables = 1 if cfg.tie_word_embeddings else 2
