@@ -93,7 +93,7 @@ def test_info_shows_the_name_the_cache_uses(hf_checkpoint, tmp_path, capsys):
             "path='/no/such/dir' does not exist",
         ),
         (["info", "/no/such/dir"], "is neither a checkpoint folder nor a preset"),
-        (["convert", "/no/such/dir", "/tmp/x"], "/no/such/dir/config.json: no such file"),
+        (["convert", "/no/such/dir", "/no/such/out"], "/no/such/dir/config.json: no such file"),
         (["info", "llama-3.1-8b", "--bogus"], "unrecognized arguments: --bogus"),
     ],
 )
