@@ -269,7 +269,7 @@ def peaks(
     decode += work + 4 * b * cfg.vocab_size * F32  # + the sampler's vocabulary-sized arrays
     platform = platform or jax.default_backend()
     if platform == "cpu" and narrow:  # the decode step's scatter copies the cache's K and V
-        decode += sum(stored(cfg, b, (c,), dtype, None).kv for c in plan.final)
+        decode += sum(stored(cfg, b, (cap,), dtype, None).kv for cap in plan.final)
     if platform == "cpu" and jnp.dtype(weights_dtype).itemsize < F32:
         table = cfg.vocab_size * cfg.hidden_size
         tables = 1 if cfg.tie_word_embeddings else 2

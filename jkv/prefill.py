@@ -79,6 +79,12 @@ def chunks(prompts: list[list[int]], chunk: int):
         yield tokens, n_new
 
 
+def check_chunk(chunk) -> None:
+    """Raises ValueError unless `chunk` (prompt tokens per model step) is a power of two >= 16."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 16 or chunk & (chunk - 1):
+        raise ValueError(f"chunk={chunk!r} must be a power of two >= 16 (tokens per model step)")
+
+
 def prefill_chunked(
     params, prompts, kv, *, backend, policy, chunk, evict_to=None, budgets_after=None
 ):
@@ -201,7 +207,7 @@ def prepare(
     budgets = capacities = None
     if kv_state is None and policy is not None:
         budgets = jnp.asarray(policy.row_budgets(lengths))
-        capacities = policy.capacities(cfg.num_layers, lengths, max_new_tokens)
+        capacities = plan.final
     elif kv_state is not None and key is not None and key.evicts:
         # Back to the fixed capacity: the policy's rule picks what the new tokens displace.
         budgets, capacities = kv.limit, tuple(x.capacity for x in kv_state.layers)
@@ -258,8 +264,7 @@ def prefill(
     policy = policies.resolve(kv_policy, kv_budget)
     kv_dtype = kvlib.validate_kv_dtype(kv_dtype or params.kv_dtype)
     backend = validate_backend(backend)
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 16 or chunk & (chunk - 1):
-        raise ValueError(f"chunk={chunk!r} must be a power of two >= 16 (tokens per model step)")
+    check_chunk(chunk)
     prompts, _ = encode_prompts(params, context)
     lengths = [len(p) for p in prompts]
     rerank_within = max(policy.row_limits(lengths)) if policy and policy.raw_keys else None

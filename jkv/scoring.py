@@ -20,7 +20,7 @@ from jkv.core.step import model_step
 from jkv.kv import PREFILL_CHUNK, bucket
 from jkv.params import Params
 from jkv.policies.compress import compress
-from jkv.prefill import check_state, chunks, empty_state, prefill_step
+from jkv.prefill import check_chunk, check_state, chunks, empty_state, prefill_step
 from jkv.prompt import encode_prompts
 from jkv_models.config import ModelConfig
 
@@ -63,11 +63,6 @@ def score(
     else:
         kv, policy = empty_state(params.config, 1, t, params.kv_dtype), None
     return chunked_logp(params, ids, kv, min(chunk, t), backend=backend, policy=policy)
-
-
-def check_chunk(chunk) -> None:
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 16 or chunk & (chunk - 1):
-        raise ValueError(f"chunk={chunk!r} must be a power of two >= 16 (tokens per model step)")
 
 
 def chunked_logp(params, ids, kv, chunk, *, backend, policy, evict_to=None):
