@@ -35,9 +35,9 @@ RING = StreamingLLM(budget=24, sink=4)  # a ring of 24 slots from the prompt's e
 FILLING = StreamingLLM(budget=40, sink=4)  # short prompts fill up while decoding, then ring
 RUNS = {  # kv dtype -> the policies of its requests, in arrival order: every policy runs in one
     # dtype (float32 for the exact selections; the narrow ones move scales and mass with tokens)
-    "float32": [SNAPKV, FILLING, QUANTILE, None],
+    "float32": [SNAPKV, FILLING, QUANTILE],  # the full cache beside them: float8 below
     "float8_e4m3fn": [HEAVY, None, RING, ADA],
-    "bfloat16": [PYRAMID, EFFICACHE],  # the full cache: tests/engine/test_engine.py
+    "bfloat16": [PYRAMID, EFFICACHE],  # the full cache alone: tests/engine/test_engine.py
 }
 
 

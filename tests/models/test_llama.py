@@ -33,15 +33,20 @@ def _cached_logits(params, cfg, tokens, chunks):
         capacity=tokens.shape[1],
         dtype="float32",
     )
+
+    @jax.jit  # one program per chunk size (op by op, the test took a minute)
+    def step(params, piece, pos, layers, n_new):
+        attend = attention.make_attention(
+            n_new, sliding_window=cfg.sliding_window, inv_freq=jnp.asarray(cfg.inv_freq())
+        )
+        return forward(params, cfg, piece, pos, layers, attend)
+
     out, start = [], 0
     for size in chunks:
         piece = tokens[:, start : start + size]
         n_new = jnp.array([size], jnp.int32)
         pos = state.next_position[:, None] + jnp.arange(size)
-        attend = attention.make_attention(
-            n_new, sliding_window=cfg.sliding_window, inv_freq=jnp.asarray(cfg.inv_freq())
-        )
-        logits, layers = forward(params, cfg, piece, pos, state.layers, attend)
+        logits, layers = step(params, piece, pos, state.layers, n_new)
         state = state.replace(layers=layers, next_position=state.next_position + n_new)
         out.append(logits)
         start += size
