@@ -357,8 +357,7 @@ class Server:
             done = False
             try:
                 yield oa.sse(oa.chunk(req, rid, first.text, first.finish_reason, first=True))
-                finished = first.finished
-                async for out in outputs if not finished else _nothing():
+                async for out in outputs:  # ends after the finished one (none if first was)
                     take(out)
                     if out.text or out.finished:
                         yield oa.sse(oa.chunk(req, rid, out.text, out.finish_reason))
@@ -389,11 +388,6 @@ class Server:
     def _report(self, rec, span) -> None:
         rec.reported = True
         self.obs.done(rec, span)
-
-
-async def _nothing():
-    return
-    yield
 
 
 async def _unless_gone(request, awaitable):
