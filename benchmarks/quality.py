@@ -42,6 +42,47 @@ KVPRESS_FOR = {  # the kvpress press of the same method, for the side-by-side ro
 }
 
 
+def policy_spec(spec: str) -> tuple[str, dict]:
+    """`"snapkv:window=16,kernel=11,pool=max"` -> ("snapkv", {"window": 16, ...}): a jkv
+    policy name and the fields set beside the budget (ints where they parse)."""
+    name, _, fields = spec.partition(":")
+    kw = {}
+    for item in filter(None, fields.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"policy field {item!r} in {spec!r} must be key=value")
+        kw[key] = int(value) if value.lstrip("-").isdigit() else value
+    return name, kw
+
+
+def policy_kw(spec: str | None, ratio: float) -> dict:
+    """generate/prefill keywords of a policy spec keeping the fraction `ratio` (None: full)."""
+    if spec is None:
+        return {}
+    name, fields = policy_spec(spec)
+    if not fields:
+        return dict(kv_policy=name, kv_budget=ratio)
+    from jkv import policies
+
+    return dict(kv_policy=policies.POLICIES[name](budget=ratio, **fields))
+
+
+def kvpress_for(spec: str) -> tuple[str, dict] | None:
+    """The kvpress press of a spec's method and the fields it shares with it (None: no peer)."""
+    name, fields = policy_spec(spec)
+    if name not in KVPRESS_FOR:
+        return None
+    press = KVPRESS_FOR[name]
+    import quality_kvpress as qk
+
+    shared = qk.METHODS[press][2]
+    return press, {pf: fields[jf] for pf, jf in shared.items() if jf in fields}
+
+
+def press_label(name: str, overrides: dict) -> str:
+    return name + "".join(f" {k}={v}" for k, v in overrides.items())
+
+
 # ---------------------------------------------------------------------------- data
 def haystack_examples(seed: int, n: int, context: int, facts: int):
     """`n` (context, question, answer) triples: each prompt split at its last "Question :"."""
@@ -98,9 +139,7 @@ def jkv_accuracy(params, examples, policy, ratio, mode, *, batch=16):
 
     right, kv_bytes, speeds = 0, [], []
     for chunk in _batches(examples, batch):
-        kw = dict(max_new_tokens=6)
-        if policy is not None:
-            kw.update(kv_policy=policy, kv_budget=ratio)
+        kw = dict(max_new_tokens=6, **policy_kw(policy, ratio))
         if mode == "agnostic":
             state = jkv.prefill(
                 params,
@@ -123,7 +162,7 @@ def jkv_accuracy(params, examples, policy, ratio, mode, *, batch=16):
 def jkv_free_text(params, fillers, policy, ratio, reference, *, new_tokens=32):
     import jkv
 
-    kw = {} if policy is None else dict(kv_policy=policy, kv_budget=ratio)
+    kw = policy_kw(policy, ratio)
     out = jkv.generate(params, [p for p, _ in fillers], max_new_tokens=new_tokens, **kw)
     texts = [r.text for r in out]
     if reference is None:
@@ -144,7 +183,7 @@ def jkv_perplexity(params, fillers, policy, ratio):
 
     nll = []
     for prompt, cont in fillers:
-        kw = {} if policy is None else dict(kv_policy=policy, kv_budget=ratio)
+        kw = policy_kw(policy, ratio)
         state = jkv.prefill(params, prompt, **kw)
         nll.extend(-score(params, cont, kv_state=state))
     return float(math.exp(np.mean(nll)))
@@ -234,39 +273,46 @@ def plot_beyond(beyond, path: Path) -> None:
     plt.close(fig)
 
 
+def _facts(row, results) -> int:
+    return row.get("facts", results["facts"][0] if isinstance(results["facts"], list) else 4)
+
+
 def markdown(results) -> str:
     lines = ["# Compression quality", "", f"model: {results['model']}", ""]
+    acc = results["accuracy"]
+    grids = dict.fromkeys((r["context"], _facts(r, results)) for r in acc)
+    methods = dict.fromkeys(
+        (r["peer"], r["method"]) for r in acc if not r["method"].startswith("full")
+    )
     for mode in ("agnostic", "aware"):
         lines += [
             f"## Retrieval accuracy, {mode}",
             "",
-            "| context | method | " + " | ".join(f"{r:.0%}" for r in results["ratios"]) + " |",
-            "|---|---|" + "---|" * len(results["ratios"]),
+            "| context | facts | method | "
+            + " | ".join(f"{r:.0%}" for r in results["ratios"])
+            + " |",
+            "|---|---|---|" + "---|" * len(results["ratios"]),
         ]
-        for ctx in results["contexts"]:
-            for r in results["accuracy"]:  # jkv's full cache, and kvpress's (no press)
-                if r["method"].startswith("full") and r["context"] == ctx and r["mode"] == mode:
+        for ctx, facts in grids:
+            here = [
+                r
+                for r in acc
+                if r["context"] == ctx and _facts(r, results) == facts and r["mode"] == mode
+            ]
+            for r in here:  # jkv's full cache, and kvpress's (no press)
+                if r["method"].startswith("full"):
                     lines.append(
-                        f"| {ctx} | {r['peer']} full cache | {r['accuracy']:.2f} |"
+                        f"| {ctx} | {facts} | {r['peer']} full cache | {r['accuracy']:.2f} |"
                         + " |" * (len(results["ratios"]) - 1)
                     )
-            methods = dict.fromkeys(
-                (r["peer"], r["method"])
-                for r in results["accuracy"]
-                if not r["method"].startswith("full")
-            )
             for peer, method in methods:
                 cells = []
                 for ratio in results["ratios"]:
                     row = next(
                         (
                             r
-                            for r in results["accuracy"]
-                            if r["peer"] == peer
-                            and r["method"] == method
-                            and r["ratio"] == ratio
-                            and r["context"] == ctx
-                            and r["mode"] == mode
+                            for r in here
+                            if (r["peer"], r["method"], r["ratio"]) == (peer, method, ratio)
                         ),
                         None,
                     )
@@ -275,7 +321,7 @@ def markdown(results) -> str:
                         if row is None
                         else ("err" if "error" in row else f"{row['accuracy']:.2f}")
                     )
-                lines.append(f"| {ctx} | {peer} {method} | " + " | ".join(cells) + " |")
+                lines.append(f"| {ctx} | {facts} | {peer} {method} | " + " | ".join(cells) + " |")
         lines.append("")
     lines += [
         "## Free-text agreement with the full cache (ROUGE-L / BLEU) and perplexity",
@@ -325,22 +371,19 @@ def plot(results, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     ctx = max(results["contexts"])
+    grid = [_facts(r, results) for r in results["accuracy"] if r["context"] == ctx]
+    facts = 4 if 4 in grid else grid[0]
+    acc = [r for r in results["accuracy"] if r["context"] == ctx and _facts(r, results) == facts]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    methods = dict.fromkeys(
+        (r["peer"], r["method"]) for r in acc if not r["method"].startswith("full")
+    )
     for ax, mode in zip(axes, ("agnostic", "aware"), strict=True):
-        methods = dict.fromkeys(
-            (r["peer"], r["method"])
-            for r in results["accuracy"]
-            if not r["method"].startswith("full")
-        )
         for peer, method in methods:
             pts = sorted(
                 (r["ratio"], r["accuracy"])
-                for r in results["accuracy"]
-                if r["peer"] == peer
-                and r["method"] == method
-                and r["context"] == ctx
-                and r["mode"] == mode
-                and "error" not in r
+                for r in acc
+                if (r["peer"], r["method"], r["mode"]) == (peer, method, mode) and "error" not in r
             )
             if pts:
                 ax.plot(
@@ -350,16 +393,12 @@ def plot(results, path: Path) -> None:
                     linestyle="-" if peer == "jkv" else "--",
                     label=f"{peer} {method}",
                 )
-        full = [
-            r["accuracy"]
-            for r in results["accuracy"]
-            if r["method"] == "full" and r["context"] == ctx and r["mode"] == mode
-        ]
+        full = [r["accuracy"] for r in acc if r["method"] == "full" and r["mode"] == mode]
         if full:
             ax.axhline(full[0], color="k", linewidth=0.8, label="full cache")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("compression ratio (context / kept)")
-        ax.set_title(f"retrieval accuracy, {mode}, context {ctx}")
+        ax.set_title(f"retrieval accuracy, {mode}, context {ctx}, {facts} facts")
         ax.grid(True, alpha=0.3)
     axes[0].set_ylabel("exact match")
     axes[1].legend(fontsize=7)
@@ -415,12 +454,18 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--facts",
         type=int,
-        default=4,
-        help="facts per haystack (the question asks for one of them by name)",
+        nargs="+",
+        default=[4],
+        help="facts per haystack, one grid each (the question asks for one of them by name)",
     )
     parser.add_argument("--docs", type=int, default=100)
     parser.add_argument("--ratios", type=float, nargs="*", default=RATIOS)
-    parser.add_argument("--policies", nargs="*", default=POLICIES)
+    parser.add_argument(
+        "--policies",
+        nargs="*",
+        default=POLICIES,
+        help="jkv policy names, or specs with fields: snapkv:window=16,kernel=11,pool=max",
+    )
     parser.add_argument("--peer", choices=["kvpress"], default=None)
     parser.add_argument("--beyond", type=int, default=8, help="x trained context for ppl")
     parser.add_argument("--tiny", action="store_true", help="a minute-long smoke run")
@@ -453,54 +498,58 @@ def main(argv=None) -> int:
         hf_dir = jkv.export_hf(params, Path(tempfile.mkdtemp()) / "hf")
         model, tok = peer.load_hf(hf_dir)
     settings = [(p, r) for p in args.policies for r in args.ratios]
-    steps = len(contexts) * (2 + 2 * len(settings)) * (2 if peer else 1)
+    steps = len(contexts) * len(args.facts) * (2 + 2 * len(settings)) * (2 if peer else 1)
     bar = tqdm(total=steps, desc="quality", unit="run")
     t0 = time.time()
     for ctx in contexts:
-        examples = haystack_examples(1000 + ctx, args.docs, ctx, args.facts)
         # prompt + the 64-token continuation stay inside the trained context
         fillers = filler_texts(2000 + ctx, max(2, args.docs // 4), min(ctx, trained - 64), 64)
-        for mode in ("agnostic", "aware"):
-            row = jkv_accuracy(params, examples, None, 1.0, mode)
-            results["accuracy"].append(
-                {"peer": "jkv", "method": "full", "ratio": 1.0, "context": ctx, "mode": mode, **row}
-            )
-            bar.update()
-            if peer:
+        for facts in args.facts:
+            # one seed per (context, facts): 4 facts keeps the draws of the earlier runs
+            seed = 1000 + ctx + (0 if facts == 4 else 100_000 * facts)
+            examples = haystack_examples(seed, args.docs, ctx, facts)
+            peer_done = set()
+            where = {"context": ctx, "facts": facts}
+            for mode in ("agnostic", "aware"):
+                row = jkv_accuracy(params, examples, None, 1.0, mode)
                 results["accuracy"].append(
-                    {
-                        **peer.accuracy(model, tok, examples, None, 1.0, mode=mode),
-                        "context": ctx,
-                        "method": "full-kvpress",
-                    }
+                    {"peer": "jkv", "method": "full", "ratio": 1.0, "mode": mode, **where, **row}
                 )
                 bar.update()
+                if peer:
+                    row = peer.accuracy(model, tok, examples, None, 1.0, mode=mode)
+                    results["accuracy"].append({**row, **where, "method": "full-kvpress"})
+                    bar.update()
+            for policy, ratio in settings:
+                for mode in ("agnostic", "aware"):
+                    row = jkv_accuracy(params, examples, policy, ratio, mode)
+                    results["accuracy"].append(
+                        {
+                            "peer": "jkv",
+                            "method": policy,
+                            "ratio": ratio,
+                            "mode": mode,
+                            **where,
+                            **row,
+                        }  # fmt: skip
+                    )
+                    bar.update()
+                    press = kvpress_for(policy) if peer else None
+                    if press is None:
+                        continue
+                    name, overrides = press  # two specs may share a press: run it once
+                    label = press_label(name, overrides)
+                    if (label, ratio, mode) in peer_done:
+                        continue
+                    peer_done.add((label, ratio, mode))
+                    row = peer.accuracy(
+                        model, tok, examples, name, ratio, mode=mode, overrides=overrides
+                    )
+                    results["accuracy"].append({**row, **where, "method": label})
+                    bar.update()
         reference, _ = jkv_free_text(params, fillers, None, 1.0, None)
         base_ppl = jkv_perplexity(params, fillers, None, 1.0)
         for policy, ratio in settings:
-            for mode in ("agnostic", "aware"):
-                row = jkv_accuracy(params, examples, policy, ratio, mode)
-                results["accuracy"].append(
-                    {
-                        "peer": "jkv",
-                        "method": policy,
-                        "ratio": ratio,
-                        "context": ctx,
-                        "mode": mode,
-                        **row,
-                    }
-                )
-                bar.update()
-                if peer and policy in KVPRESS_FOR:
-                    results["accuracy"].append(
-                        {
-                            **peer.accuracy(
-                                model, tok, examples, KVPRESS_FOR[policy], ratio, mode=mode
-                            ),
-                            "context": ctx,
-                        }
-                    )
-                    bar.update()
             _, agree = jkv_free_text(params, fillers, policy, ratio, reference)
             ppl = jkv_perplexity(params, fillers, policy, ratio)
             results["free_text"].append(
@@ -514,15 +563,17 @@ def main(argv=None) -> int:
                     "ppl_ratio": ppl / base_ppl,
                 }
             )
-        if peer:
-            for name in dict.fromkeys(KVPRESS_FOR.values()):
-                for ratio in args.ratios:
-                    agree = peer.free_text(
-                        model, tok, [p for p, _ in fillers], name, ratio, reference=reference
-                    )
-                    results["free_text"].append(
-                        {"peer": "kvpress", "method": name, "ratio": ratio, "context": ctx, **agree}
-                    )
+        presses = [kvpress_for(p) for p in args.policies] if peer else []
+        unique = {(p[0], tuple(p[1].items())) for p in presses if p}
+        for name, items in sorted(unique):
+            overrides = dict(items)
+            label = press_label(name, overrides)
+            for ratio in args.ratios:
+                agree = peer.free_text(model, tok, [p for p, _ in fillers], name, ratio,
+                                       reference=reference, overrides=overrides)  # fmt: skip
+                results["free_text"].append(
+                    {**agree, "peer": "kvpress", "method": label, "ratio": ratio, "context": ctx}
+                )
     results["logit_keep"] = logit_keep_table(
         params,
         # <s> + the filler + 32 sampled tokens stay inside the trained context

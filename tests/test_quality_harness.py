@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import quality  # noqa: E402
@@ -36,3 +38,20 @@ def test_scores():
     assert quality.exact("4 0 9 1 7 </s>", "4 0 9 1 7")
     assert not quality.exact("4 0 9 1", "4 0 9 1 7")
     assert quality.rouge_l("a b c", "a b c") == 1.0 and quality.bleu("a b c d", "a b c d") > 0.99
+
+
+def test_policy_specs_name_fields_and_their_kvpress_peer():
+    import jkv
+
+    spec = "snapkv:window=16,kernel=11,pool=max"
+    assert quality.policy_spec(spec) == ("snapkv", {"window": 16, "kernel": 11, "pool": "max"})
+    assert quality.policy_kw(spec, 0.1) == {
+        "kv_policy": jkv.SnapKV(budget=0.1, window=16, kernel=11, pool="max")
+    }
+    assert quality.policy_kw("h2o", 0.25) == {"kv_policy": "h2o", "kv_budget": 0.25}
+    assert quality.policy_kw(None, 1.0) == {}
+    # kvpress's SnapKV has the window and kernel (it pools by average only)
+    assert quality.kvpress_for(spec) == ("snapkv", {"window_size": 16, "kernel_size": 11})
+    assert quality.kvpress_for("adakv") is None
+    with pytest.raises(ValueError, match="'window' in 'snapkv:window' must be key=value"):
+        quality.policy_spec("snapkv:window")

@@ -57,9 +57,20 @@ def test_export_round_trip(demo, tmp_path):
 
 
 def test_make_demo_runs(capsys):
+    """`make demo` runs, and what it shows holds: the full cache, StreamingLLM and SnapKV at the
+    demo's budget (with and without FP8) and at the harsh one, each row marked right or wrong
+    against the haystack's own answer."""
     assert demo_main([]) == 0
     out = capsys.readouterr().out
-    assert "full cache" in out and "SnapKV" in out and "response cache" in out
+    assert "response cache" in out
+    rows = {}  # label (30 columns), answer (12), right
+    for line in out.splitlines():
+        cells = line[44:].split()
+        if cells and cells[0] in ("yes", "no"):
+            rows[line[:30].strip()] = cells[0]
+    assert rows["full cache"] == "yes" and rows["SnapKV 10%"] == "yes", rows
+    assert rows["SnapKV 10% + FP8"] == "yes", rows
+    assert set(rows) >= {"StreamingLLM 10%", "SnapKV 10%, paper's settings", "SnapKV 5% (harsh)"}
 
 
 def test_cli_knows_demo(capsys):
