@@ -470,7 +470,9 @@ def main(argv=None) -> int:
     parser.add_argument("--beyond", type=int, default=8, help="x trained context for ppl")
     parser.add_argument("--tiny", action="store_true", help="a minute-long smoke run")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--stem", default=None, help="file names (quality, or quality_tiny)")
     args = parser.parse_args(argv)
+    import jax
     from tqdm import tqdm
 
     params, label = load_model(args.model)
@@ -521,6 +523,9 @@ def main(argv=None) -> int:
                     results["accuracy"].append({**row, **where, "method": "full-kvpress"})
                     bar.update()
             for policy, ratio in settings:
+                # every setting compiles its own programs: a long run that kept them all ran
+                # out of mappable memory in LLVM ("Cannot allocate memory") after ~50 settings
+                jax.clear_caches()
                 for mode in ("agnostic", "aware"):
                     row = jkv_accuracy(params, examples, policy, ratio, mode)
                     results["accuracy"].append(
@@ -550,6 +555,7 @@ def main(argv=None) -> int:
         reference, _ = jkv_free_text(params, fillers, None, 1.0, None)
         base_ppl = jkv_perplexity(params, fillers, None, 1.0)
         for policy, ratio in settings:
+            jax.clear_caches()
             _, agree = jkv_free_text(params, fillers, policy, ratio, reference)
             ppl = jkv_perplexity(params, fillers, policy, ratio)
             results["free_text"].append(
@@ -587,7 +593,7 @@ def main(argv=None) -> int:
     results["seconds"] = time.time() - t0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = "quality_tiny" if args.tiny else "quality"
+    stem = args.stem or ("quality_tiny" if args.tiny else "quality")
     (out / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / f"{stem}.md").write_text(markdown(results))
     plot(results, out / f"{stem}.png")
