@@ -528,16 +528,8 @@ def main(argv=None) -> int:
                 jax.clear_caches()
                 for mode in ("agnostic", "aware"):
                     row = jkv_accuracy(params, examples, policy, ratio, mode)
-                    results["accuracy"].append(
-                        {
-                            "peer": "jkv",
-                            "method": policy,
-                            "ratio": ratio,
-                            "mode": mode,
-                            **where,
-                            **row,
-                        }  # fmt: skip
-                    )
+                    mine = {"peer": "jkv", "method": policy, "ratio": ratio, "mode": mode}
+                    results["accuracy"].append({**mine, **where, **row})
                     bar.update()
                     press = kvpress_for(policy) if peer else None
                     if press is None:
