@@ -44,6 +44,7 @@ os.environ.setdefault(
 
 import jkv  # noqa: E402
 from jkv.engine.runner import pool_bytes  # noqa: E402
+from jkv.memory import page_bytes  # noqa: E402
 
 SHAPE = dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=512,
              vocab_size=392, max_position_embeddings=1024)  # fmt: skip
@@ -77,7 +78,16 @@ def run(params, prompts, num_pages, policy, budget, kv_dtype, admission):
         holding.append(len(running))
         decoding.append(sum(not s.prefilling for s in running))
     seconds = time.perf_counter() - t0
-    return [got[r] for r in rids], seconds, holding, decoding, engine.scheduler.num_preemptions
+    device = engine.device.page_nbytes()
+    assert device == pool_bytes(params.config, num_pages, PAGE, kv_dtype), "the pool's bytes"
+    return (
+        [got[r] for r in rids],
+        seconds,
+        holding,
+        decoding,
+        engine.scheduler.num_preemptions,
+        device,
+    )
 
 
 def main(argv=None) -> int:
@@ -105,7 +115,7 @@ def main(argv=None) -> int:
             num_pages = budget_bytes // pool_bytes(cfg, 1, PAGE, kv_dtype)
             config = (params, prompts, num_pages, policy, budget, kv_dtype, admission)
             run(*config)  # compiles
-            toks, seconds, holding, decoding, preempted = run(*config)
+            toks, seconds, holding, decoding, preempted, device = run(*config)
             same = 0
             for p, t in zip(prompts[: args.check], toks, strict=False):
                 want = jkv.generate(params, p, max_new_tokens=NEW_TOKENS, kv_policy=policy,
@@ -113,7 +123,7 @@ def main(argv=None) -> int:
                 same += t == list(want)
             rows.append(dict(
                 config=name, admission=admission, kv_dtype=kv_dtype, pages=num_pages,
-                bytes_per_token=pool_bytes(cfg, 1, 1, kv_dtype) // cfg.num_layers,
+                device_bytes=device, bytes_per_token=page_bytes(cfg, 1, kv_dtype) * heads,
                 peak_requests=max(holding), mean_requests=round(sum(holding) / len(holding), 2),
                 peak_decoding=max(decoding), preemptions=preempted, steps=len(holding),
                 seconds=round(seconds, 2),
@@ -126,7 +136,7 @@ def main(argv=None) -> int:
         r["x_requests"] = round(r["mean_requests"] / base["mean_requests"], 2)
         r["x_peak"] = round(r["peak_requests"] / base["peak_requests"], 2)
         r["x_throughput"] = round(r["tokens_per_s"] / base["tokens_per_s"], 2)
-    print(f"\none pool of {budget_bytes / 2**20:.2f} MiB (bfloat16 pages for {args.fit} full "
+    print(f"\none pool of {budget_bytes / 2**20:.2f} MiB of device memory, measured (bfloat16 pages for {args.fit} full "
           f"requests of {PROMPT[1]}+{NEW_TOKENS} tokens); {args.requests} requests of "
           f"{PROMPT[0]}-{PROMPT[1]} prompt tokens, {NEW_TOKENS} new tokens each, all queued at "
           f"once; demo-shaped random float32 model, CPU ({os.cpu_count()} cores)")  # fmt: skip
@@ -139,8 +149,9 @@ def main(argv=None) -> int:
               f"{r['peak_decoding']:9d} {r['preemptions']:8d} {r['tokens_per_s']:7.1f} "
               f"{r['x_throughput']:8.2f}")  # fmt: skip
     print(
-        "B/token: bytes a page spends per token (K, V, its int32 position, and under fp8 "
-        "two bfloat16 scales); greedy tokens equal to jkv.generate alone: "
+        "B/token: bytes the pool spends per token of all layers and kv heads (K, V, an int32 "
+        "position per head, and under fp8 two bfloat16 scales); pages: one kv head of one layer, "
+        f"{PAGE} tokens; greedy tokens equal to jkv.generate alone: "
         + ", ".join(f"{r['config']} ({r['admission']}) {r['equal_to_generate']}" for r in rows)
     )
     out = Path(args.out)

@@ -89,6 +89,16 @@ def token_bytes(cfg: ModelConfig, kv_dtype: str) -> int:
     return cfg.num_kv_heads * (2 * cfg.head_dim * item + scales)
 
 
+def page_bytes(cfg: ModelConfig, page_size: int, kv_dtype: str, *, mass: bool = False) -> int:
+    """Device bytes of one page of `jkv.Engine`'s pool: `page_size` tokens of ONE kv head of
+    ONE layer, each with K and V (2 * H * itemsize), their bfloat16 scales under fp8, its int32
+    position and, in a pool that keeps attention mass (H2O), a float32. A pool of N pages holds
+    exactly N times this (page 0 is the null page tables are padded with)."""
+    item = jnp.dtype(kv_dtype).itemsize
+    scales = 2 * jnp.dtype(kvlib.SCALE_DTYPE).itemsize if kv_dtype == "float8_e4m3fn" else 0
+    return page_size * (2 * cfg.head_dim * item + scales + 4 + (4 if mass else 0))
+
+
 def _config(model) -> ModelConfig:
     if isinstance(model, ModelConfig):
         return model

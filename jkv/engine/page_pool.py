@@ -1,42 +1,56 @@
-"""The page pool: fixed pages, reference counts, the prefix cache and recycling, on plain ints.
+"""The page pool: pages, blocks of pages, reference counts, the prefix cache and recycling, on
+plain ints.
 
-A page holds `page_size` tokens of ONE kv head of ONE layer (K, V and, under fp8, their scales),
-so a head that keeps fewer tokens after compression holds fewer pages and the others go back to
-the pool (KV-Compress's layout; vLLM's pages hold every head of a layer). Page 0 is never handed
-out: page tables are padded with it.
+A *page* holds `page_size` tokens of ONE kv head of ONE layer (K, V, positions and, under fp8,
+their scales): the device stores exactly the pool's pages, `[num_pages, page_size, H]`, page 0
+being the null page tables are padded with. A *block* is `page_size` token positions of a
+sequence over every (layer, kv head): a row of `group_size = num_layers * num_kv_heads` page
+ids, `row(block)[layer * num_kv_heads + head]` (vLLM's block, with KV-Compress's pages
+inside; the rows are one flat int32 `array`, the host copy of the device's `block_pages`). A sequence's page table is its list of block ids: one table for every head, however
+many layers the model has. Once a KV policy makes heads differ, a block may have holes (page 0
+where a head keeps nothing) and its pages are handed back one by one.
+
+Free storage is kept as whole free blocks (their page rows intact, reused with no change on the
+device) and loose pages (from blocks with holes, or blocks broken up for a compression's
+pages). A block formed anew from loose pages changes its row: the rows changed
+since the last `take_dirty()` are what the runner writes to the device.
 
 Prefix cache (vLLM's block hashing): the prompt is cut into blocks of `page_size` tokens; block
 j's hash chains the hash of block j-1, its tokens and, in the first block only, the extra keys
-(weights fingerprint, kv dtype, tenant `cache_salt`), so two tenants never share a page. A full
-block of an uncompressed prompt is one *group* of `num_layers * num_kv_heads` pages, cached and
-shared as a whole. Compressed pages are never cached: their content no longer matches a hash.
+(weights fingerprint, kv dtype, key layout, tenant), so two tenants or two key layouts never
+share a block. Only full blocks of uncompressed prompts are cached.
 
-Recycling: a page whose last user lets go keeps its content if it is cached and waits in an LRU
-queue; `recycle="lazy"` (vLLM) evicts the least recently used cached page only when an
-allocation needs one; `recycle="watermark"` (the seed's rule) also evicts, after every release,
-until at least `recycle_below` of the pool is free of cached pages. `admission_headroom` is the
-share of the pool a new request must leave free to be admitted (vLLM measured ~5% best).
+Recycling: a cached block whose last user lets go keeps its content and waits in an LRU queue;
+`recycle="lazy"` (vLLM) evicts the least recently used one only when an allocation needs it;
+`recycle="watermark"` (the seed's rule) also evicts, after every release, until at least
+`recycle_below` of the pool is free of cached pages. `admission_headroom` is the share of the
+pool a new request must leave free to be admitted (vLLM measured ~5% best).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections import OrderedDict, deque
+from array import array
+from collections import OrderedDict
 from collections.abc import Sequence
 
 NULL_PAGE = 0
+NULL_BLOCK = 0
 RECYCLE_MODES = ("lazy", "watermark")
 
 
 class OutOfPages(RuntimeError):
-    """An allocation needs more pages than are free or evictable."""
+    """An allocation needs more pages (or block ids) than are free or evictable."""
 
 
-def block_hashes(tokens: Sequence[int], page_size: int, extra_keys: tuple = ()) -> list[bytes]:
-    """The chained hash of every FULL block of `page_size` tokens (a partial tail has none)."""
-    out, parent = [], b""
-    for j in range(len(tokens) // page_size):
+def block_hashes(
+    tokens: Sequence[int], page_size: int, extra_keys: tuple = (), parent: bytes = b"", first=0
+) -> list[bytes]:
+    """The chained hash of every FULL block of `page_size` tokens (a partial tail has none).
+    `parent` and `first`: continue a chain whose blocks before `first` are hashed already."""
+    out = []
+    for j in range(first, len(tokens) // page_size):
         h = hashlib.blake2b(digest_size=16)
         h.update(parent)
         h.update(b",".join(str(t).encode() for t in tokens[j * page_size : (j + 1) * page_size]))
@@ -59,8 +73,9 @@ class PoolStats:
 
 
 class PagePool:
-    """`num_pages` pages (page 0 reserved) of `page_size` tokens; groups of `group_size` pages
-    (one per layer and kv head) make one cached prompt block."""
+    """`num_pages` pages (page 0 reserved) of `page_size` tokens, in blocks of `group_size`
+    pages (one per layer and kv head); `num_blocks` block ids (0 reserved), by default twice
+    the whole blocks the pages make (blocks with holes need ids of their own)."""
 
     def __init__(
         self,
@@ -71,6 +86,7 @@ class PagePool:
         recycle: str = "lazy",
         recycle_below: float = 0.15,
         admission_headroom: float = 0.0,
+        num_blocks: int | None = None,
     ):
         for name, value, low in (("num_pages", num_pages, 2), ("page_size", page_size, 1),
                                  ("group_size", group_size, 1)):  # fmt: skip
@@ -82,20 +98,32 @@ class PagePool:
                             ("admission_headroom", admission_headroom)):  # fmt: skip
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"{name}={value!r}: expected a fraction in [0, 1)")
-        self.num_pages, self.page_size, self.group_size = num_pages, page_size, group_size
+        g = group_size
+        whole = (num_pages - 1) // g
+        num_blocks = 2 * whole + 2 if num_blocks is None else num_blocks
+        if num_blocks < whole + 1:
+            raise ValueError(f"num_blocks={num_blocks}: expected at least {whole + 1}")
+        self.num_pages, self.page_size, self.group_size = num_pages, page_size, g
+        self.num_blocks = num_blocks
         self.recycle, self.recycle_below = recycle, recycle_below
         self.admission_headroom = admission_headroom
-        self.refs = [0] * num_pages
-        self.page_hash: list[bytes | None] = [None] * num_pages
-        # Pages nobody holds. Uncached ones are handed out first (most recently freed first);
-        # cached ones wait in LRU order (oldest first) until an allocation or the watermark
-        # evicts them.
-        self._free: deque[int] = deque(range(num_pages - 1, 0, -1))
+        # block b's pages (page 0: a hole) are rows[b * g : (b + 1) * g]: the host copy of
+        # the device's block table
+        self.rows = array("i", bytes(4 * num_blocks * g))
+        self.rows[g : (whole + 1) * g] = array("i", range(1, whole * g + 1))
+        self.refs = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        # Free whole blocks (uncached, nobody holds them), most recently freed last; loose
+        # pages; block ids with no pages; cached blocks nobody holds, in LRU order.
+        self._free_blocks: list[int] = list(range(whole, 0, -1))
+        self._loose: list[int] = list(range(num_pages - 1, whole * g, -1))
+        self._free_ids: list[int] = list(range(num_blocks - 1, whole, -1))
         self._lru: OrderedDict[int, None] = OrderedDict()
-        self._groups: dict[bytes, tuple[int, ...]] = {}  # block hash -> its pages
+        self._cached: dict[bytes, int] = {}  # block hash -> block
+        self._dirty: set[int] = set()
         self.stats = PoolStats()
 
-    # ------------------------------------------------------------------ capacity
+    # ------------------------------------------------------------------ capacity (pages)
 
     @property
     def usable(self) -> int:
@@ -105,11 +133,11 @@ class PagePool:
     @property
     def free_pages(self) -> int:
         """Pages an allocation can take now: free, or cached and unused (evictable)."""
-        return len(self._free) + len(self._lru)
+        return self.group_size * (len(self._free_blocks) + len(self._lru)) + len(self._loose)
 
     @property
     def cached_idle_pages(self) -> int:
-        return len(self._lru)
+        return self.group_size * len(self._lru)
 
     @property
     def used_pages(self) -> int:
@@ -120,116 +148,201 @@ class PagePool:
         """Share of the pool held by requests (vLLM's kv_cache_usage_perc, 0..1)."""
         return self.used_pages / self.usable
 
+    @property
+    def free_block_ids(self) -> int:
+        """Block ids `new_block` can still give (a compression's copied blocks)."""
+        return len(self._free_ids)
+
     def can_admit(self, pages: int) -> bool:
         """Whether a new request needing `pages` leaves the admission headroom free."""
         return pages <= self.free_pages - int(self.admission_headroom * self.usable)
 
-    # ------------------------------------------------------------------ pages
+    def row(self, block: int) -> list[int]:
+        """The pages of `block`, one per (layer, kv head); 0 where it has a hole."""
+        g = self.group_size
+        return self.rows[block * g : (block + 1) * g].tolist()
 
-    def allocate(self, n: int) -> list[int]:
-        """`n` pages, reference count 1 each; evicts least recently used cached pages when the
-        free ones run out. Raises OutOfPages (taking nothing) when fewer than `n` exist."""
+    def take_dirty(self) -> tuple[list[int], list[list[int]]]:
+        """(block ids, their rows) changed since the last call: what the device's copy of the
+        rows must be told."""
+        ids = sorted(self._dirty)
+        self._dirty.clear()
+        return ids, [self.row(b) for b in ids]
+
+    # ------------------------------------------------------------------ blocks
+
+    def allocate_blocks(self, n: int) -> list[int]:
+        """`n` whole blocks, reference count 1 each: free ones first, then ones formed from
+        loose pages, then least recently used cached ones evicted. Raises OutOfPages (taking
+        nothing) when that cannot make `n`."""
+        if n <= 0:
+            return []
+        g = self.group_size
+        formable = min(len(self._loose) // g, len(self._free_ids))
+        if n > len(self._free_blocks) + formable + len(self._lru):
+            raise OutOfPages(
+                f"{n} blocks of {g} pages asked, {self.free_pages} pages free or evictable"
+            )
+        out = []
+        for _ in range(n):
+            if self._free_blocks:
+                block = self._free_blocks.pop()
+            elif len(self._loose) >= g and self._free_ids:
+                block = self._free_ids.pop()
+                self._set_row(block, [self._loose.pop() for _ in range(g)])
+            else:
+                block, _ = self._lru.popitem(last=False)
+                self._forget(block)
+                self.stats.recycled_lazy += g
+            self.refs[block] = 1
+            out.append(block)
+        return out
+
+    def new_block(self, pages: Sequence[int]) -> int:
+        """A block of the given pages (0: a hole), held once; its row is dirty. Raises
+        OutOfPages when no block id is free."""
+        if not self._free_ids:
+            raise OutOfPages(f"all {self.num_blocks - 1} block ids are in use")
+        block = self._free_ids.pop()
+        self._set_row(block, pages)
+        self.refs[block] = 1
+        return block
+
+    def set_pages(self, block: int, pages: Sequence[int]) -> None:
+        """Rewrites the pages of a block its caller alone holds (a compression's holes)."""
+        if self.refs[block] != 1 or self.block_hash[block] is not None:
+            raise ValueError(f"block {block} is shared or cached: it cannot change")
+        self._set_row(block, pages)
+
+    def _set_row(self, block: int, pages: Sequence[int]) -> None:
+        g = self.group_size
+        self.rows[block * g : (block + 1) * g] = array("i", pages)
+        self._dirty.add(block)
+
+    def allocate_pages(self, n: int) -> list[int]:
+        """`n` loose pages (a compressed head's own), breaking free blocks up, and evicting
+        cached ones, when the loose ones run out. Raises OutOfPages (taking nothing)."""
         if n > self.free_pages:
             raise OutOfPages(f"{n} pages asked, {self.free_pages} free or evictable")
-        pages = []
-        for _ in range(n):
-            if self._free:
-                page = self._free.pop()
+        while len(self._loose) < n:
+            if self._free_blocks:
+                block = self._free_blocks.pop()
             else:
-                page, _ = self._lru.popitem(last=False)
-                self.stats.recycled_lazy += 1 + self._forget(page)
-            self.refs[page] = 1
-            pages.append(page)
-        return pages
+                block, _ = self._lru.popitem(last=False)
+                self._forget(block)
+                self.stats.recycled_lazy += self.group_size
+            self._break(block)
+        return [self._loose.pop() for _ in range(n)]
 
-    def release(self, pages: Sequence[int]) -> None:
-        """Lets go of one reference to each page; a page nobody holds becomes free (cached:
-        kept, at the LRU tail, in the given order; else handed out again first)."""
-        for page in pages:
-            if page == NULL_PAGE:
+    def _break(self, block: int) -> None:
+        """An unheld, uncached block's pages become loose and its id free."""
+        self._loose.extend(p for p in reversed(self.row(block)) if p != NULL_PAGE)
+        self._free_ids.append(block)
+
+    def release_pages(self, pages: Sequence[int]) -> None:
+        """Loose pages back to the pool (a compression's dropped pages)."""
+        self._loose.extend(p for p in pages if p != NULL_PAGE)
+
+    def release(self, blocks: Sequence[int]) -> None:
+        """Lets go of one reference to each block; a block nobody holds becomes free (cached:
+        kept, at the LRU tail, in the given order; whole: reused first; with holes: its pages
+        loose)."""
+        for block in blocks:
+            if block == NULL_BLOCK:
                 continue
-            if self.refs[page] <= 0:
-                raise ValueError(f"page {page} released more often than it was held")
-            self.refs[page] -= 1
-            if self.refs[page] == 0:
-                if self.page_hash[page] is not None:
-                    self._lru[page] = None
-                else:
-                    self._free.append(page)
+            if self.refs[block] <= 0:
+                raise ValueError(f"block {block} released more often than it was held")
+            self.refs[block] -= 1
+            if self.refs[block] > 0:
+                continue
+            if self.block_hash[block] is not None:
+                self._lru[block] = None
+            elif NULL_PAGE not in self.row(block):
+                self._free_blocks.append(block)
+            else:
+                self._break(block)
         if self.recycle == "watermark":
             self._restore_watermark()
 
     def _restore_watermark(self) -> None:
         want = int(self.recycle_below * self.usable)
-        while len(self._free) < want and self._lru:
-            page, _ = self._lru.popitem(last=False)
-            self.stats.recycled_watermark += 1 + self._forget(page)
-            self._free.appendleft(page)  # behind the pages freed more recently
+        while self.free_pages - self.cached_idle_pages < want and self._lru:
+            block, _ = self._lru.popitem(last=False)
+            self._forget(block)
+            self.stats.recycled_watermark += self.group_size
+            self._free_blocks.insert(0, block)  # behind the blocks freed more recently
 
-    def _forget(self, page: int) -> int:
-        """Drops a page's cached content: its whole group leaves the prefix cache. Returns how
-        many of the group's other pages were idle (they become plain free pages)."""
-        h = self.page_hash[page]
-        group = self._groups.pop(h, ())
-        mates = 0
-        for p in group:
-            self.page_hash[p] = None
-            if p != page and p in self._lru:  # the group's other idle pages are plain free now
-                del self._lru[p]
-                self._free.appendleft(p)
-                mates += 1
-        return mates
+    def _forget(self, block: int) -> None:
+        self._cached.pop(self.block_hash[block], None)
+        self.block_hash[block] = None
 
     # ------------------------------------------------------------------ prefix cache
 
-    def lookup(self, hashes: Sequence[bytes]) -> list[tuple[int, ...]]:
-        """The groups of the longest run of leading blocks that are cached, each taken (one more
-        reference per page; idle pages leave the LRU queue)."""
+    def lookup(self, hashes: Sequence[bytes]) -> list[int]:
+        """The blocks of the longest run of leading hashes that are cached, each taken (one
+        more reference; idle ones leave the LRU queue)."""
         found = []
         for h in hashes:
             self.stats.prefix_queries += 1
-            group = self._groups.get(h)
-            if group is None:
-                break
+            block = self._cached.get(h)
+            if block is None:
+                break  # a miss ends the prefix: later blocks are neither looked up nor counted
             self.stats.prefix_hits += 1
-            for p in group:
-                if self.refs[p] == 0:
-                    del self._lru[p]
-                self.refs[p] += 1
-            found.append(group)
-        # A miss ends the prefix: the blocks after it are not looked up (not counted either).
+            if self.refs[block] == 0:
+                del self._lru[block]
+            self.refs[block] += 1
+            found.append(block)
         return found
 
-    def publish(self, block_hash: bytes, group: Sequence[int]) -> bool:
-        """Caches one full prompt block's pages (held by the caller) under its hash. Returns
-        False, changing nothing, when the hash is already cached (the first copy stays)."""
-        if len(group) != self.group_size:
-            raise ValueError(f"a group has {self.group_size} pages, got {len(group)}")
-        if block_hash in self._groups:
+    def publish(self, block_hash: bytes, block: int) -> bool:
+        """Caches one full prompt block (held by the caller) under its hash. Returns False,
+        changing nothing, when the hash is cached already (the first copy stays)."""
+        if block_hash in self._cached:
             return False
-        if any(self.page_hash[p] is not None or self.refs[p] <= 0 for p in group):
-            raise ValueError(f"pages {tuple(group)} are cached already or not held")
-        self._groups[block_hash] = tuple(group)
-        for p in group:
-            self.page_hash[p] = block_hash
+        if self.block_hash[block] is not None or self.refs[block] <= 0:
+            raise ValueError(f"block {block} is cached already or not held")
+        if NULL_PAGE in self.row(block):
+            raise ValueError(f"block {block} has holes: only whole blocks are cached")
+        self._cached[block_hash] = block
+        self.block_hash[block] = block_hash
         return True
 
-    def uncache(self, page: int) -> None:
-        """Drops a held page's block from the prefix cache (its whole group), so its holder
-        may overwrite it; the group's idle pages become plain free pages."""
-        if self.page_hash[page] is not None:
-            self.stats.uncached += 1 + self._forget(page)
+    def uncache(self, block: int) -> None:
+        """Drops a held block from the prefix cache, so its holder may overwrite it."""
+        if self.block_hash[block] is not None:
+            self._forget(block)
+            self.stats.uncached += self.group_size
 
-    def is_cached(self, page: int) -> bool:
-        return self.page_hash[page] is not None
+    def is_cached(self, block: int) -> bool:
+        return self.block_hash[block] is not None
+
+    def clear_cache(self) -> int:
+        """Forgets every cached block (their bytes were lost: a pool rebuilt after a failed
+        step). Idle ones become free. Returns how many were dropped."""
+        n = len(self._cached)
+        for block in list(self._cached.values()):
+            self._forget(block)
+        while self._lru:
+            block, _ = self._lru.popitem(last=False)
+            self._free_blocks.append(block)
+        return n
 
     def check(self) -> None:
-        """Internal consistency (tests): every usable page is held, free or idle-cached, once."""
-        free, lru = set(self._free), set(self._lru)
-        assert len(free) == len(self._free) and not (free & lru), "a page is queued twice"
-        for p in range(1, self.num_pages):
-            held = self.refs[p] > 0
-            assert held + (p in free) + (p in lru) == 1, f"page {p}: held/free/idle mismatch"
-            assert (p in lru) <= (self.page_hash[p] is not None), f"page {p}: idle but uncached"
-        for h, group in self._groups.items():
-            assert all(self.page_hash[p] == h for p in group), "a group lost its hash"
+        """Internal consistency (tests): every usable page belongs to exactly one place (a held
+        or idle block, a free block, or the loose pages), every block id to one state."""
+        free, lru, ids = set(self._free_blocks), set(self._lru), set(self._free_ids)
+        assert len(free) == len(self._free_blocks) and len(ids) == len(self._free_ids)
+        assert not (free & lru or free & ids or lru & ids), "a block is queued twice"
+        seen = [0] * self.num_pages
+        for b in range(1, self.num_blocks):
+            held = self.refs[b] > 0
+            assert held + (b in free) + (b in lru) + (b in ids) == 1, f"block {b}: state mismatch"
+            assert (b in lru) <= (self.block_hash[b] is not None), f"block {b}: idle, uncached"
+            for p in self.row(b) if b not in ids else ():
+                seen[p] += 1
+        for p in self._loose:
+            seen[p] += 1
+        wrong = [p for p in range(1, self.num_pages) if seen[p] != 1]
+        assert not wrong, f"pages owned twice or lost: {wrong[:10]}"
+        for h, b in self._cached.items():
+            assert self.block_hash[b] == h, "a cached block lost its hash"

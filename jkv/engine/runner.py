@@ -1,15 +1,23 @@
-"""The engine's device side: the paged pool's arrays and one compiled step over a batch of rows.
+"""The engine's device side: the page pool's arrays and one compiled step over a batch of rows.
 
-The pool holds K, V and positions as `[L, P, page_size, H]` (positions `[L, P, page_size]`):
-page p of layer l is one kv head's `page_size` tokens. A step gathers each row's pages of every
-(layer, kv head) into a dense state of M pages per head (`jkv_kernels.gather_pages`), runs THE
+The pool stores exactly its pages: K and V `[P, page_size, H]`, positions (and fp8 scales, and
+H2O's attention mass) `[P, page_size]`, page p being one kv head's `page_size` tokens of one
+layer, so its bytes are `P x page_bytes` (`jkv.memory.page_bytes`). Beside them, the device's
+copy of the block rows (`block_pages [num_blocks, L * K]`, `jkv.engine.page_pool`): a row's
+page table is one list of block ids for all its heads, and head h of block b is page
+`block_pages[b, h]`.
+
+A step maps each row's dense slots to pool tokens through its table (the layout of
+`jkv.engine.sequence`: a compressed prefix with per-head counts, then the tail), gathers every
+(layer, kv head) into a dense state padded to the longest row's power of two of blocks, runs THE
 model step (`jkv.core.step.model_step`, the one `jkv.generate` runs) and samples; then
-`write_pages` (a jit of its own, so the update is in place) writes the new tokens' K and V into
-their pages. Rows, new tokens per row and pages per head are padded to powers of two, so
-compiled steps are bounded; all per-row settings are traced arrays.
+`write_pages` (a jit of its own, so the update is in place) writes the new tokens into their
+pages. Rows, new tokens per row and blocks per row are padded to powers of two, so compiled
+steps are bounded; all per-row settings are traced arrays.
 
-The gather copies each row's context once per step (the attention reads it anyway); the
-`paged_decode_attention` kernel, which reads pages in place, is the next step on GPU.
+The host keeps every running row's table in `RowTables` (vLLM's persistent block table): a
+step copies only the blocks added since the last one, so the host's work per step does not
+grow with layers x kv heads.
 """
 
 from __future__ import annotations
@@ -24,55 +32,63 @@ import numpy as np
 from jkv import kv as kvlib
 from jkv.core.sampling import SamplingArrays, sample
 from jkv.core.step import model_step, next_positions
+from jkv.memory import page_bytes
 from jkv.policies.base import Context
-from jkv_kernels import gather_pages, scatter_set
+from jkv_kernels import scatter_set
 from jkv_models.config import ModelConfig
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedKV:
-    k: jax.Array  # [L, P, page_size, H] storage dtype
-    v: jax.Array  # [L, P, page_size, H]
-    positions: jax.Array  # [L, P, page_size] int32 text position of every token
-    k_scale: jax.Array | None = None  # [L, P, page_size] bfloat16, fp8 storage only
+    k: jax.Array  # [P, page_size, H] storage dtype
+    v: jax.Array  # [P, page_size, H]
+    positions: jax.Array  # [P, page_size] int32 text position of every token
+    block_pages: jax.Array  # [num_blocks, L * K] int32 the page of each head of each block
+    k_scale: jax.Array | None = None  # [P, page_size] bfloat16, fp8 storage only
     v_scale: jax.Array | None = None
-    mass: jax.Array | None = None  # [L, P, page_size] float32 attention received (H2O)
+    mass: jax.Array | None = None  # [P, page_size] float32 attention received (H2O)
 
     @property
     def page_size(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[1]
 
     @property
     def num_pages(self) -> int:
-        return self.k.shape[1]
+        return self.k.shape[0]
+
+    def token_arrays(self) -> tuple[str, ...]:
+        """Every per-token array (what a compaction moves)."""
+        return ("k", "v", *_scaled(self), *(("mass",) if self.mass is not None else ()))
+
+    def page_nbytes(self) -> int:
+        """Device bytes of the pages (not the block rows: bookkeeping, counted apart)."""
+        return sum(getattr(self, n).nbytes for n in self.token_arrays())
 
 
 def empty_pool(
-    config: ModelConfig, num_pages: int, page_size: int, dtype: str, mass: bool = False
+    config: ModelConfig, num_pages: int, page_size: int, dtype: str, block_pages, mass=False
 ) -> PagedKV:
-    """A pool of zeros; `mass`: with a float32 of accumulated attention per stored token."""
-    shape = (config.num_layers, num_pages, page_size, config.head_dim)
+    """A pool of zeros; `block_pages` the host's rows; `mass`: with a float32 of accumulated
+    attention per stored token."""
+    shape = (num_pages, page_size, config.head_dim)
     fp8 = dtype == "float8_e4m3fn"
     return PagedKV(
         k=jnp.zeros(shape, dtype),
         v=jnp.zeros(shape, dtype),
-        positions=jnp.zeros(shape[:3], jnp.int32),
-        k_scale=jnp.ones(shape[:3], kvlib.SCALE_DTYPE) if fp8 else None,
-        v_scale=jnp.ones(shape[:3], kvlib.SCALE_DTYPE) if fp8 else None,
-        mass=jnp.zeros(shape[:3], jnp.float32) if mass else None,
+        positions=jnp.zeros(shape[:2], jnp.int32),
+        block_pages=jnp.asarray(block_pages, jnp.int32),
+        k_scale=jnp.ones(shape[:2], kvlib.SCALE_DTYPE) if fp8 else None,
+        v_scale=jnp.ones(shape[:2], kvlib.SCALE_DTYPE) if fp8 else None,
+        mass=jnp.zeros(shape[:2], jnp.float32) if mass else None,
     )
 
 
 def pool_bytes(
     config: ModelConfig, num_pages: int, page_size: int, dtype: str, mass: bool = False
 ) -> int:
-    """Device bytes of a pool (K, V, positions and, under fp8, a scale per token of each; with
-    `mass`, a float32 per token)."""
-    per_token = 2 * config.head_dim * jnp.dtype(dtype).itemsize + 4 + (4 if mass else 0)
-    if dtype == "float8_e4m3fn":
-        per_token += 2 * jnp.dtype(kvlib.SCALE_DTYPE).itemsize
-    return config.num_layers * num_pages * page_size * per_token
+    """Device bytes of a pool's pages: `num_pages x jkv.memory.page_bytes(...)`."""
+    return num_pages * page_bytes(config, page_size, dtype, mass=mass)
 
 
 def _scaled(pool: PagedKV) -> tuple[str, ...]:
@@ -81,9 +97,43 @@ def _scaled(pool: PagedKV) -> tuple[str, ...]:
     return ("positions",) if pool.k_scale is None else ("positions", "k_scale", "v_scale")
 
 
-def _per_token(pool: PagedKV) -> tuple[str, ...]:
-    """Every per-token array of the pool (what a compaction moves)."""
-    return ("k", "v", *_scaled(pool), *(("mass",) if pool.mass is not None else ()))
+def _flat(x: jax.Array) -> jax.Array:
+    """A pool array with its pages and offsets as one token axis."""
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """Where each row's tokens live (host numpy, traced in the step)."""
+
+    tables: jax.Array  # [B, M] int32 block ids (0: none)
+    base: jax.Array  # [B, L * K] int32 compressed: kept tokens per head in the prefix; else 0
+    n_prefix: jax.Array  # [B] int32 prefix blocks (0: uncompressed)
+    tail: jax.Array  # [B] int32 tokens after the prefix before the step (`Sequence.tail`)
+    ring: jax.Array  # [B] bool compressed by an evicting policy: `limit` slots, no tail
+
+    def held(self, limits) -> jax.Array:
+        """`[B, L * K]` tokens each head holds before the step."""
+        held = self.base + self.tail[:, None]
+        return jnp.where(self.ring[:, None], jnp.minimum(held, limits[:, None]), held)
+
+
+def token_index(pool: PagedKV, rows: Rows, layer: int, num_kv_heads: int, slots):
+    """`[B, K, X]` int32: the pool token (page * page_size + offset) of dense slots `slots`
+    `[B, K, X]` of `layer`'s kv heads: a compressed head's slot below its kept count is in the
+    prefix, the rest in the tail; a ring's slots are all in its prefix."""
+    page = pool.page_size
+    heads = layer * num_kv_heads + jnp.arange(num_kv_heads)
+    base = rows.base[:, heads][..., None]  # [B, K, 1]
+    in_prefix = rows.ring[:, None, None] | (slots < base)
+    logical = jnp.where(in_prefix, slots, rows.n_prefix[:, None, None] * page + slots - base)
+    blocks = rows.tables.shape[1]
+    col = jnp.clip(logical // page, 0, blocks - 1)
+    block = jnp.take_along_axis(
+        jnp.broadcast_to(rows.tables[:, None, :], (*col.shape[:2], blocks)), col, axis=-1
+    )  # [B, K, X]
+    return pool.block_pages[block, heads[None, :, None]] * page + logical % page
 
 
 @functools.partial(jax.jit, static_argnames=("config", "backend", "dtype", "policy"))
@@ -91,8 +141,7 @@ def paged_step(
     weights,
     config: ModelConfig,
     pool: PagedKV,
-    tables,
-    held,
+    rows: Rows,
     tokens,
     n_new,
     start,
@@ -109,8 +158,7 @@ def paged_step(
     """One model step over B rows of the pool.
 
     Args:
-      tables: `[B, L, K, M]` int32 page ids per (row, layer, kv head), padded with page 0.
-      held: `[B, L, K]` int32 tokens each head holds before the step.
+      rows: each row's table and layout (`Rows`).
       tokens: `[B, T]` int32, row b's first `n_new[b]` real; `start`: `[B]` int32 text
         position of `tokens[:, 0]`.
       sampling, sample_index: per-row settings and the index of the token each row samples.
@@ -124,41 +172,39 @@ def paged_step(
 
     Returns:
       (`[B]` int32 sampled tokens (meaningful for rows whose step reaches their last known
-      token), the writes for `write_pages`, with a policy (each head's slots in slot order,
-      kept ones first: `[B, L, K, S]` int32; kept per head `[B, L, K]` int32) what rows whose
-      prompt ends in this step keep (else None), and for a policy that accumulates attention
-      mass (H2O) each head's mass `[B, L, K, S]` and tokens held `[B, L, K]` for `write_mass`
-      (else None)).
+      token), the writes for `write_pages`, with a policy what rows whose prompt ends in this
+      step keep (each head's kept tokens as pool tokens, in slot order `[B, L, K, S]` int32,
+      and how many `[B, L, K]` int32; else None), and for a policy that accumulates attention
+      mass (H2O) the pool tokens and mass of every held slot for `write_mass` (else None)).
     """
     b, t = tokens.shape
-    page = pool.page_size
+    nl, kh = config.num_layers, config.num_kv_heads
     observes = policy is not None and policy.observes
     accumulates = policy is not None and policy.wants_mass  # H2O: its mass so far, from pages
     if accumulates and pool.mass is None:
         raise ValueError(f"kv_policy={policy.name!r} needs a pool built with mass=True")
+    limits = jnp.full((b,), kvlib.NO_LIMIT, jnp.int32) if limits is None else limits
+    held = rows.held(limits).reshape(b, nl, kh)
+    s = rows.tables.shape[1] * pool.page_size
+    dense = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, kh, s))
+    index = [token_index(pool, rows, layer, kh, dense) for layer in range(nl)]  # [B, K, S] each
     layers = []
-    for layer in range(config.num_layers):
-        tab = tables[:, layer]
-        k = gather_pages(pool.k[layer], tab)
+    for layer in range(nl):
+        at = index[layer]
         if accumulates:
-            scores = gather_pages(pool.mass[layer], tab)
+            scores = _flat(pool.mass)[at]
         else:
-            scores = jnp.zeros(k.shape[:3], jnp.float32) if observes else None
+            scores = jnp.zeros(at.shape, jnp.float32) if observes else None
         layers.append(
             kvlib.LayerKV(
-                k=k,
-                v=gather_pages(pool.v[layer], tab),
+                k=_flat(pool.k)[at],
+                v=_flat(pool.v)[at],
                 lengths=held[:, layer],
                 scores=scores,
-                **{name: gather_pages(getattr(pool, name)[layer], tab) for name in _scaled(pool)},
+                **{name: _flat(getattr(pool, name))[at] for name in _scaled(pool)},
             )
         )
-    kv = kvlib.KVState(
-        layers=tuple(layers),
-        next_position=start,
-        limit=jnp.full((b,), kvlib.NO_LIMIT, jnp.int32) if limits is None else limits,
-        dtype=dtype,
-    )
+    kv = kvlib.KVState(layers=tuple(layers), next_position=start, limit=limits, dtype=dtype)
     logits, kv = model_step(
         weights,
         config,
@@ -172,34 +218,39 @@ def paged_step(
     )
     # The new tokens sit in slots held .. held + n_new - 1 of each head's dense copy.
     offs = jnp.arange(t, dtype=jnp.int32)
-    live = offs[None, None, None, :] < n_new[:, None, None, None]  # [B, 1, 1, T]
-    slots = held[..., None] + offs  # [B, L, K, T]
-    if policy is not None and policy.evicts and t == 1:
-        # A ring at its limit overwrote its oldest token: find the slot by its position.
-        slots = jnp.stack([ring_slots(kv.layers[i], start) for i in range(config.num_layers)], 1)
-    pages = jnp.take_along_axis(tables, jnp.minimum(slots // page, tables.shape[-1] - 1), -1)
-    pages = jnp.where(live, pages, pool.num_pages)  # out of range: the write is dropped
-    new = []
-    for layer in range(config.num_layers):
-        dense = kv.layers[layer]
-        idx = jnp.minimum(slots[:, layer], dense.capacity - 1)  # [B, K, T]
+    live = offs[None, None, :] < n_new[:, None, None]  # [B, 1, T]
+    drop = pool.num_pages * pool.page_size  # out of range: the write is dropped
+    where, new = [], []
+    for layer in range(nl):
+        slots = held[:, layer, :, None] + offs  # [B, K, T]
+        if policy is not None and policy.evicts and t == 1:
+            # A ring at its limit overwrote its oldest token: find the slot by its position.
+            slots = ring_slots(kv.layers[layer], start)
+        where.append(jnp.where(live, token_index(pool, rows, layer, kh, slots), drop))
+        x = kv.layers[layer]
+        idx = jnp.minimum(slots, x.capacity - 1)  # [B, K, T]
         new.append((
-            jnp.take_along_axis(dense.k, idx[..., None], axis=2),  # [B, K, T, H]
-            jnp.take_along_axis(dense.v, idx[..., None], axis=2),
-            *(jnp.take_along_axis(getattr(dense, n), idx, axis=2) for n in _scaled(pool)),
+            jnp.take_along_axis(x.k, idx[..., None], axis=2),  # [B, K, T, H]
+            jnp.take_along_axis(x.v, idx[..., None], axis=2),
+            *(jnp.take_along_axis(getattr(x, n), idx, axis=2) for n in _scaled(pool)),
         ))  # fmt: skip
     new = tuple(jnp.stack(x, axis=1) for x in zip(*new, strict=True))  # [B, L, ...]
     tok = sample(logits, sampling, sample_index)
-    writes = (pages, slots % page, *new)
+    writes = (jnp.stack(where, axis=1), *new)
     if policy is None:
         return tok, writes, None, None
-    kept = kept_slots(policy, kv, config.num_layers, n_new, budgets, start, sensitivity)
+    order, counts = kept_slots(policy, kv, nl, n_new, budgets, start, sensitivity)
+    src = jnp.stack(
+        [jnp.take_along_axis(index[i], order[:, i], axis=-1) for i in range(nl)], axis=1
+    )  # [B, L, K, S] pool tokens, kept first
+    kept = (src, counts)
     if not accumulates:
         return tok, writes, kept, None
     # Every stored token received attention: all of each head's mass goes back to its pages.
-    mass = jnp.stack([x.scores for x in kv.layers], axis=1)  # [B, L, K, M * page]
+    mass = jnp.stack([x.scores for x in kv.layers], axis=1)  # [B, L, K, S]
     lengths = jnp.stack([x.lengths for x in kv.layers], axis=1)  # [B, L, K]
-    return tok, writes, kept, (mass, lengths)
+    valid = jnp.arange(s) < lengths[..., None]
+    return tok, writes, kept, (jnp.where(valid, jnp.stack(index, 1), drop), mass)
 
 
 def ring_slots(layer: kvlib.LayerKV, position) -> jax.Array:
@@ -230,74 +281,56 @@ def kept_slots(policy, kv: kvlib.KVState, num_layers: int, n_new, budgets, start
 
 
 @functools.partial(jax.jit, donate_argnames=("pool",))
-def copy_slots(pool: PagedKV, moves) -> PagedKV:
-    """Copies tokens between pages, in place: (layer, source page, offset, destination page,
-    offset), each `[N]` int32; destinations out of range are dropped (padding). Every source
-    is read before any destination is written, so a head may compact into its own pages."""
-    layer, src, src_off, dst, dst_off = moves
-    at = (layer, dst, dst_off)
-    names = _per_token(pool)
+def set_rows(pool: PagedKV, ids, rows) -> PagedKV:
+    """Writes the host's changed block rows (`ids` `[n]`, `rows` `[n, L * K]`; ids out of
+    range: padding) into the device's copy, in place."""
+    return dataclasses.replace(pool, block_pages=pool.block_pages.at[ids].set(rows, mode="drop"))
+
+
+@functools.partial(jax.jit, donate_argnames=("pool",))
+def compact(pool: PagedKV, src, table, counts) -> PagedKV:
+    """Moves one row's kept tokens into its new prefix, in place: `src` `[G, S]` the pool
+    tokens each head keeps, in order; `table` `[W]` the row's new blocks; `counts` `[G]` kept
+    per head (G = L * K). Kept token i of head h goes to slot i of its column. Every source is
+    read before any destination is written, so a head may compact into its own pages."""
+    g, s = src.shape
+    page = pool.page_size
+    i = jnp.arange(s, dtype=jnp.int32)
+    block = table[jnp.minimum(i // page, table.shape[0] - 1)]  # [S]
+    dst = pool.block_pages[block[None, :], jnp.arange(g)[:, None]] * page + i % page  # [G, S]
+    dst = jnp.where(i < counts[:, None], dst, pool.num_pages * page)
+    moved = {n: _flat(getattr(pool, n))[src] for n in pool.token_arrays()}
     return dataclasses.replace(
-        pool, **{n: scatter_set(getattr(pool, n), at, getattr(pool, n)[layer, src, src_off])
-                 for n in names},
+        pool,
+        **{n: scatter_set(_flat(getattr(pool, n)), dst, x).reshape(getattr(pool, n).shape)
+           for n, x in moved.items()},
     )  # fmt: skip
-
-
-def compaction_moves(moves, kept, order, page_size: int, num_kv_heads: int, num_pages: int):
-    """`copy_slots`'s arrays for one row: `moves` (old table, new table) per head from
-    `Scheduler.compress`, `kept` tokens per head, `order` `[L, K, S]` its kept slots first
-    (numpy). Tokens already in place are skipped; the arrays are padded to a power of two with
-    dropped writes."""
-    cols = [[] for _ in range(5)]
-    for h, (old, new) in enumerate(moves):
-        layer, head = divmod(h, num_kv_heads)
-        src = np.asarray(order[layer, head, : kept[h]], np.int64)
-        dst = np.arange(len(src))
-        old_pages = np.asarray(old, np.int64)[np.minimum(src // page_size, len(old) - 1)]
-        new_pages = np.asarray(new, np.int64)[dst // page_size]
-        moved = (old_pages != new_pages) | (src % page_size != dst % page_size)
-        for col, x in zip(cols, (np.full(len(src), layer), old_pages, src % page_size,
-                                 new_pages, dst % page_size), strict=True):  # fmt: skip
-            col.append(x[moved])
-    n = sum(len(x) for x in cols[0])
-    size = bucket(n)
-    out = []
-    for j, col in enumerate(cols):
-        x = np.concatenate(col) if col else np.zeros(0, np.int64)
-        pad = num_pages if j == 3 else 0  # a destination page out of range: dropped
-        out.append(np.concatenate([x, np.full(size - n, pad)]).astype(np.int32))
-    return tuple(out)
 
 
 @functools.partial(jax.jit, donate_argnames=("pool",))
 def write_pages(pool: PagedKV, writes) -> PagedKV:
-    """Writes a step's new tokens into their pages, in place: (pages, offsets `[B, L, K, T]`,
-    K, V `[B, L, K, T, H]`, positions (and fp8 scales) `[B, L, K, T]`); out-of-range pages are
+    """Writes a step's new tokens into their pages, in place: (pool tokens `[B, L, K, T]`, K,
+    V `[B, L, K, T, H]`, positions (and fp8 scales) `[B, L, K, T]`); out-of-range tokens are
     dropped. A jit of its own: in the same program as the gathers that read the pool, XLA
     copies the whole pool around the update (measured: 37 ms against 6 ms per step for a
     4,096-page pool)."""
-    pages, offsets, *values = writes
-    layer = jnp.broadcast_to(jnp.arange(pages.shape[1])[None, :, None, None], pages.shape)
-    at = (layer, pages, offsets)
+    at, *values = writes
     names = ("k", "v", *_scaled(pool))
     return dataclasses.replace(
         pool,
-        **{n: scatter_set(getattr(pool, n), at, x) for n, x in zip(names, values, strict=True)},
-    )
+        **{n: scatter_set(_flat(getattr(pool, n)), at, x).reshape(getattr(pool, n).shape)
+           for n, x in zip(names, values, strict=True)},
+    )  # fmt: skip
 
 
 @functools.partial(jax.jit, donate_argnames=("pool",))
-def write_mass(pool: PagedKV, tables, mass, lengths) -> PagedKV:
+def write_mass(pool: PagedKV, at, mass) -> PagedKV:
     """Writes back the attention mass of every token a step's rows hold (H2O accumulates it
-    over every query), in place: `tables` `[B, L, K, M]`, `mass` `[B, L, K, M * page_size]`,
-    `lengths` `[B, L, K]` (slots past a head's length are dropped)."""
-    page = pool.page_size
-    s = jnp.arange(mass.shape[-1], dtype=jnp.int32)
-    pages = jnp.take(tables, s // page, axis=-1)  # [B, L, K, S]
-    pages = jnp.where(s < lengths[..., None], pages, pool.num_pages)
-    layer = jnp.broadcast_to(jnp.arange(pages.shape[1])[None, :, None, None], pages.shape)
-    at = (layer, pages, jnp.broadcast_to(s % page, pages.shape))
-    return dataclasses.replace(pool, mass=scatter_set(pool.mass, at, mass))
+    over every query), in place: pool tokens `at` and `mass` `[B, L, K, S]` (slots past a
+    head's length have `at` out of range: dropped)."""
+    return dataclasses.replace(
+        pool, mass=scatter_set(_flat(pool.mass), at, mass).reshape(pool.mass.shape)
+    )
 
 
 def bucket(n: int, low: int = 1) -> int:
@@ -305,25 +338,71 @@ def bucket(n: int, low: int = 1) -> int:
     return max(low, 1 << max(0, (n - 1).bit_length()))
 
 
-def pack(rows, num_layers: int, num_kv_heads: int, page_size: int, chunk: int):
-    """Host arrays for `paged_step` from scheduled rows: (tables, held, tokens, n_new, start),
-    rows and pages per head padded to powers of two (padding rows: no tokens), new tokens per
-    row to 1 (all rows decoding) or `chunk`: two token shapes in all."""
-    b = bucket(len(rows))
-    t = 1 if all(r.n == 1 for r in rows) else chunk
-    m = bucket(max(-(-(h + r.n) // page_size) for r in rows for h in r.seq.held))
-    tables = np.zeros((b, num_layers, num_kv_heads, m), np.int32)
-    held = np.zeros((b, num_layers, num_kv_heads), np.int32)
+class RowTables:
+    """The page tables of the running sequences on the host, one row each, updated with what
+    changed since the last step (vLLM's persistent block table): a decode step appends at most
+    one block id per row, a compression rewrites its row once."""
+
+    def __init__(self, rows: int, width: int):
+        self.table = np.zeros((rows, width), np.int32)
+        self._slot: dict[str, int] = {}
+        self._seen: dict[str, tuple[int, int]] = {}  # request id -> (epoch, blocks copied)
+        self._free = list(range(rows - 1, -1, -1))
+
+    @property
+    def width(self) -> int:
+        return self.table.shape[1]
+
+    def sync(self, seq) -> int:
+        """`seq`'s row, brought up to date. Returns the row."""
+        rid, blocks = seq.request_id, seq.blocks
+        if len(blocks) > self.width:
+            raise ValueError(f"{len(blocks)} blocks: the table holds {self.width} per row")
+        slot = self._slot.get(rid)
+        if slot is None:
+            if not self._free:
+                raise RuntimeError("more running sequences than table rows")
+            slot = self._slot[rid] = self._free.pop()
+        epoch, n = self._seen.get(rid, (None, 0))
+        if epoch != seq.epoch:  # replaced: the whole row again
+            self.table[slot, : len(blocks)] = blocks
+            self.table[slot, len(blocks) :] = 0
+        elif n < len(blocks):
+            self.table[slot, n : len(blocks)] = blocks[n:]
+        self._seen[rid] = (seq.epoch, len(blocks))
+        return slot
+
+    def keep_only(self, request_ids) -> None:
+        """Frees the rows of every sequence not in `request_ids` (finished, preempted)."""
+        for rid in [r for r in self._slot if r not in request_ids]:
+            self._free.append(self._slot.pop(rid))
+            self._seen.pop(rid, None)
+
+    def clear(self) -> None:
+        self.keep_only(())
+
+
+def pack(scheduled, row_tables: RowTables, group: int, chunk: int):
+    """Host arrays for `paged_step` from scheduled rows: (`Rows`, tokens, n_new, start), rows
+    and blocks per row padded to powers of two (padding rows: no tokens), new tokens per row to
+    1 (all rows decoding) or `chunk`: two token shapes in all."""
+    b = bucket(len(scheduled))
+    t = 1 if all(r.n == 1 for r in scheduled) else chunk
+    m = bucket(max(len(r.seq.blocks) for r in scheduled))
+    slots = [row_tables.sync(r.seq) for r in scheduled]
+    tables = np.zeros((b, m), np.int32)
+    w = min(m, row_tables.width)
+    tables[: len(slots), :w] = row_tables.table[slots, :w]
+    base = np.zeros((b, group), np.int32)
+    n_prefix, tail = np.zeros((b,), np.int32), np.zeros((b,), np.int32)
+    ring = np.zeros((b,), bool)
     tokens = np.zeros((b, t), np.int32)
-    n_new = np.zeros((b,), np.int32)
-    start = np.zeros((b,), np.int32)
-    for i, r in enumerate(rows):
+    n_new, start = np.zeros((b,), np.int32), np.zeros((b,), np.int32)
+    for i, r in enumerate(scheduled):
         seq = r.seq
-        for h, table in enumerate(seq.heads):
-            layer, head = divmod(h, num_kv_heads)
-            tables[i, layer, head, : len(table)] = table
-            held[i, layer, head] = seq.held[h]
-        tokens[i, : r.n] = seq.tokens[r.start : r.start + r.n]
-        n_new[i] = r.n
-        start[i] = r.start
-    return tables, held, tokens, n_new, start
+        if seq.compressed:
+            base[i], n_prefix[i], ring[i] = seq.base, seq.n_prefix, seq.ring
+        tail[i] = seq.tail
+        tokens[i, : r.n] = seq.token_slice(r.start, r.n)
+        n_new[i], start[i] = r.n, r.start
+    return Rows(tables, base, n_prefix, tail, ring), tokens, n_new, start

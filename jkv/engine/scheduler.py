@@ -70,7 +70,7 @@ class Scheduler:
             raise ValueError(f"admission={admission!r}: expected one of {ADMISSIONS}")
         self.admission = admission
         self.pool = pool
-        self.heads = num_layers * num_kv_heads
+        self.group = num_layers * num_kv_heads  # pages per block
         self.token_budget, self.chunk, self.max_running = token_budget, chunk, max_running
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -82,7 +82,7 @@ class Scheduler:
 
     def pages_for(self, tokens: int) -> int:
         """Pages one uncompressed sequence of `tokens` tokens holds, all heads together."""
-        return -(-tokens // self.pool.page_size) * self.heads
+        return -(-tokens // self.pool.page_size) * self.group
 
     def add(self, seq: Sequence) -> None:
         """Queues a request. Raises ValueError if its id is taken or if its prompt plus
@@ -91,34 +91,43 @@ class Scheduler:
             raise ValueError(f"request_id={seq.request_id!r} is already in the engine")
         if not seq.prompt:
             raise ValueError("the prompt is empty: expected at least one token")
-        need = self.pages_for(len(seq.prompt) + seq.max_tokens)
-        if seq.compresses:  # the whole prompt, and the kept tokens' pages beside it
-            both = self.pages_for(len(seq.prompt)) + self.pages_for(seq.keep)
-            need = both if seq.limit is not None else max(need, both)  # a ring stops growing
+        need = self.need(seq)
         if need > self.pool.usable:
             raise ValueError(
                 f"a prompt of {len(seq.prompt)} tokens plus max_tokens={seq.max_tokens} needs "
-                f"{need} pages ({self.heads} per {self.pool.page_size} tokens), more than the "
+                f"{need} pages ({self.group} per {self.pool.page_size} tokens), more than the "
                 f"pool's {self.pool.usable}; shorten it or give the engine more pages"
             )
         seq.arrival = next(self._arrivals)
-        seq.heads = [[] for _ in range(self.heads)]
-        seq.held = [0] * self.heads
+        seq.page_size, seq.group = self.pool.page_size, self.group
         self.by_id[seq.request_id] = seq
         self.waiting.append(seq)
+
+    def need(self, seq: Sequence) -> int:
+        """Pages `seq` holds at most, alone: its prompt and max_tokens, or, compressed, the
+        whole prompt beside the kept tokens' pages (a ring stops growing there)."""
+        need = self.pages_for(len(seq.prompt) + seq.max_tokens)
+        if seq.compresses:
+            both = self.pages_for(len(seq.prompt)) + self.pages_for(seq.keep)
+            need = both if seq.limit is not None else max(need, both)
+        return need
 
     def abort(self, request_id: str) -> Sequence | None:
         """Stops a request wherever it is; its pages go back. None if it is not here."""
         seq = self.by_id.pop(request_id, None)
         if seq is None:
             return None
+        self._leave(seq)
+        seq.status, seq.finish_reason = Status.FINISHED, "abort"
+        return seq
+
+    def _leave(self, seq: Sequence) -> None:
+        """Takes `seq` out of the running or waiting queue and frees its pages."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._free(seq)
-        seq.status, seq.finish_reason = Status.FINISHED, "abort"
-        return seq
 
     @property
     def has_work(self) -> bool:
@@ -127,29 +136,23 @@ class Scheduler:
     # ------------------------------------------------------------------ pages
 
     def _grow(self, seq: Sequence, n: int) -> bool:
-        """Gives every head of `seq` room for `n` more tokens; False (taking nothing) if the
-        pool cannot."""
-        page = self.pool.page_size
-        need = [
-            max(0, -(-seq.after(held, n) // page) - len(t))
-            for held, t in zip(seq.held, seq.heads, strict=True)
-        ]
+        """Gives `seq` room for `n` more tokens (at most one block per page_size tokens for all
+        its heads); False (taking nothing) if the pool cannot."""
+        need = seq.blocks_after(n) - len(seq.blocks)
+        if need <= 0:
+            return True
         try:
-            pages = self.pool.allocate(sum(need))
+            seq.blocks += self.pool.allocate_blocks(need)
         except OutOfPages:
             return False
-        it = iter(pages)
-        for table, k in zip(seq.heads, need, strict=True):
-            table.extend(next(it) for _ in range(k))
         return True
 
     def _free(self, seq: Sequence) -> None:
         # Last block first: a prompt's last block reaches the LRU queue first, so it is evicted
         # before the blocks it depends on (vLLM frees in reverse order too).
-        longest = max((len(t) for t in seq.heads), default=0)
-        self.pool.release([t[j] for j in reversed(range(longest)) for t in seq.heads if j < len(t)])
-        seq.heads = [[] for _ in range(self.heads)]
-        seq.held = [0] * self.heads
+        self.pool.release(seq.blocks[::-1])
+        seq.blocks, seq.epoch = [], seq.epoch + 1
+        seq.n_prefix, seq.base, seq.prefix_pages = 0, None, 0
         seq.num_computed = seq.num_cached = seq.shared_blocks = seq.published = 0
         seq.compressed = False  # recomputed from its tokens, it is compressed again
 
@@ -161,6 +164,22 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def preempt_all(self) -> None:
+        """Every running sequence back to waiting, its pages freed (a pool being rebuilt)."""
+        for seq in list(self.running):
+            self._preempt(seq)
+
+    def _hashes(self, seq: Sequence, blocks: int) -> list[bytes]:
+        """The hashes of the prompt's first `blocks` full blocks, computed once per sequence."""
+        have = len(seq.hashes)
+        if have < blocks:
+            parent = seq.hashes[-1] if have else b""
+            seq.hashes += block_hashes(
+                seq.prompt[: blocks * self.pool.page_size], self.pool.page_size,
+                seq.extra_keys, parent, have,
+            )  # fmt: skip
+        return seq.hashes[:blocks]
+
     def _take_prefix(self, seq: Sequence) -> None:
         """Starts an admission from the longest cached prefix of the prompt (never the whole
         prompt: its last token must run to give the first logits; nor a compressing policy's
@@ -170,30 +189,25 @@ class Scheduler:
             return
         # A compressing policy's window of queries must run (not come from the cache).
         tail = max(1, min(seq.window, len(seq.prompt))) if seq.compresses else 1
-        hashes = block_hashes(seq.prompt[: len(seq.prompt) - tail], page, seq.extra_keys)
-        groups = self.pool.lookup(hashes)
-        for group in groups:
-            for table, p in zip(seq.heads, group, strict=True):
-                table.append(p)
-        seq.shared_blocks = seq.published = len(groups)
-        seq.num_computed = seq.num_cached = len(groups) * page
-        seq.held = [seq.num_computed] * self.heads
+        blocks = self.pool.lookup(self._hashes(seq, (len(seq.prompt) - tail) // page))
+        seq.blocks, seq.epoch = blocks, seq.epoch + 1
+        seq.shared_blocks = seq.published = len(blocks)
+        seq.num_computed = seq.num_cached = len(blocks) * page
 
     # ------------------------------------------------------------------ steps
 
     def _to_finish(self, seq: Sequence) -> int:
-        """Pages `seq` still has to take to run to max_tokens: its heads' growth to the last
-        token, or, before its policy compresses, to the larger of the whole prompt and what it
-        keeps plus its new tokens."""
-        page = self.pool.page_size
+        """Pages `seq` still has to take to run to max_tokens (or, when it reserves less, to
+        its reserve; past it, to its next block): before its policy compresses, to the larger
+        of the whole prompt and what it keeps plus its new tokens."""
         if seq.compresses and not seq.compressed:
-            peak = -(-max(len(seq.prompt), seq.keep) // page)
-            return sum(max(0, peak - len(t)) for t in seq.heads)
-        rest = len(seq.prompt) + seq.max_tokens - 1 - seq.num_computed  # the last is not written
-        return sum(
-            max(0, -(-seq.after(h, rest) // page) - len(t))
-            for h, t in zip(seq.held, seq.heads, strict=True)
-        )
+            return max(0, self.pages_for(max(len(seq.prompt), seq.keep)) - self.pages_for(
+                len(seq.blocks) * self.pool.page_size))  # fmt: skip
+        goal = seq.max_tokens
+        if seq.reserve is not None:
+            goal = min(goal, max(seq.reserve, len(seq.output) + self.pool.page_size))
+        rest = max(0, len(seq.prompt) + goal - 1 - seq.num_computed)  # the last is not written
+        return max(0, seq.blocks_after(rest) - len(seq.blocks)) * self.group
 
     def _room_to_finish(self, seq: Sequence) -> bool:
         """`admission="reserve"`: admits `seq` only if the pool can take what it and every
@@ -212,7 +226,7 @@ class Scheduler:
         least the policy's window (SnapKV's observation queries vote in one step); 0 when that
         cannot be met this step."""
         n = min(seq.to_compute, budget, self.chunk)
-        if seq.limit is not None and seq.compressed:
+        if seq.ring:
             return min(n, 1)  # a ring evicts one token per step (recomputed ones too)
         if not (seq.compresses and seq.prefilling):
             return n
@@ -251,7 +265,7 @@ class Scheduler:
                 break  # freed this very step for lack of pages: not back before the next one
             self._take_prefix(seq)
             n = self._chunk_for(seq, budget)
-            new_pages = self.pages_for(seq.num_computed + n) - self.pages_for(seq.num_computed)
+            new_pages = self.pages_for(seq.num_computed + n) - len(seq.blocks) * self.group
             if (
                 n == 0
                 or not self.pool.can_admit(new_pages)
@@ -277,7 +291,6 @@ class Scheduler:
             if seq.status is not Status.RUNNING:
                 continue  # aborted since the plan was made
             seq.num_computed += s.n
-            seq.held = [seq.after(h, s.n) for h in seq.held]
             self._publish(seq)
             if not s.samples:
                 continue
@@ -293,68 +306,82 @@ class Scheduler:
         return done
 
     def finish(self, seq: Sequence, reason: str | None = None) -> None:
-        """Ends a running sequence (a stop string found by the caller, say)."""
+        """Ends a sequence (a stop string found by the caller, say), also one preempted since
+        its token was sampled (it waits to be recomputed: it leaves the queue)."""
         seq.finish_reason = reason or seq.finish_reason
-        self.running.remove(seq)
+        self._leave(seq)
         self.by_id.pop(seq.request_id, None)
-        self._free(seq)
         seq.status = Status.FINISHED
 
     def _publish(self, seq: Sequence) -> None:
         """Caches the prompt's full blocks computed so far (uncompressed sequences only)."""
         if not seq.cacheable or seq.compressed:
             return
-        page = self.pool.page_size
-        full = min(seq.num_computed, len(seq.prompt)) // page
+        full = min(seq.num_computed, len(seq.prompt)) // self.pool.page_size
         if full <= seq.published:
             return
-        hashes = block_hashes(seq.prompt[: full * page], page, seq.extra_keys)
+        hashes = self._hashes(seq, full)
         for j in range(seq.published, full):
-            self.pool.publish(hashes[j], [table[j] for table in seq.heads])
+            self.pool.publish(hashes[j], seq.blocks[j])
         seq.published = full
 
     def compress(
-        self, seq: Sequence, kept: list[int], *, reclaim: bool = False
-    ) -> list[tuple[list[int], list[int]]]:
-        """A KV policy kept `kept[h]` tokens of head h (its slots in order): each head's table
-        shrinks to the pages they fill. A page the sequence alone holds and the prefix cache
-        does not know is reused in place (the runner reads every kept token before it writes);
-        a shared one is copied on write into a fresh page, and so is a cached one, unless
-        `reclaim`: then a cached page only this sequence holds leaves the prefix cache and is
-        reused. The rest go back.
+        self, seq: Sequence, kept, *, reclaim: bool = False
+    ) -> tuple[list[int], list[int]]:
+        """A KV policy kept `kept[h]` tokens of head h (h = layer * num_kv_heads + kv head):
+        the first blocks become its prefix, each head's kept tokens in order in its own column
+        (an evicting policy's ring: `limit` slots in every column), holes where a head keeps
+        fewer; the rest goes back. A block the sequence alone holds and the prefix cache does
+        not know is reused in place (the runner reads every kept token before it writes); a
+        shared one is copied on write into a fresh block, and so is a cached one, unless
+        `reclaim`: then a cached block only this sequence holds leaves the prefix cache and is
+        reused.
 
-        Returns (old table, new table) per head for the runner's copy. Raises OutOfPages,
-        changing nothing, if the pool cannot give the fresh pages."""
-        if len(kept) != self.heads or any(
-            not 0 <= k <= h for k, h in zip(kept, seq.held, strict=False)
-        ):
-            raise ValueError(f"kept={kept}: expected {self.heads} counts, each <= held")
-        page = self.pool.page_size
-        plans = []  # per head: the new table, None where a fresh page goes
-        for table, k in zip(seq.heads, kept, strict=True):
-            plans.append([
-                p if self.pool.refs[p] == 1 and (reclaim or not self.pool.is_cached(p)) else None
-                for p in table[: -(-k // page)]
-            ])  # fmt: skip
-        fresh = iter(self.pool.allocate(sum(t.count(None) for t in plans)))
-        for p in (p for plan in plans for p in plan if p is not None):
-            self.pool.uncache(p)
-        moves = []
-        for h, plan in enumerate(plans):
-            new = [next(fresh) if p is None else p for p in plan]
-            moves.append((seq.heads[h], new))
-            seq.heads[h] = new
-        reused = {p for _, new in moves for p in new}
-        self.pool.release([p for old, _ in moves for p in old if p not in reused])
-        seq.held = list(kept)
+        Returns (old blocks, new blocks) for the runner's copy. Raises OutOfPages, changing
+        nothing, if the pool cannot give the fresh pages."""
+        kept = [int(k) for k in kept]
+        if len(kept) != self.group or not all(0 <= k <= seq.num_computed for k in kept):
+            raise ValueError(
+                f"kept={kept}: expected {self.group} counts, each <= {seq.num_computed}"
+            )
+        page, pool, old = self.pool.page_size, self.pool, seq.blocks
+        slots = [seq.limit] * self.group if seq.limit is not None else kept
+        n_prefix = -(-max(slots) // page)
+        cols = [[s > j * page for s in slots] for j in range(n_prefix)]  # per prefix block
+        reuse = [
+            j < len(old) and pool.refs[old[j]] == 1 and (reclaim or not pool.is_cached(old[j]))
+            for j in range(n_prefix)
+        ]
+        copies = [j for j in range(n_prefix) if not reuse[j]]
+        pages = pool.allocate_pages(sum(sum(cols[j]) for j in copies))
+        if len(copies) > pool.free_block_ids:  # (breaking free blocks up freed ids too)
+            pool.release_pages(pages)
+            raise OutOfPages(f"{len(copies)} block ids asked, {pool.free_block_ids} free")
+        fresh = iter(pages)
+        new = []
+        for j in range(n_prefix):
+            if reuse[j]:
+                block = old[j]
+                pool.uncache(block)
+                row = pool.row(block)
+                pool.release_pages([p for p, c in zip(row, cols[j], strict=True) if not c])
+                pool.set_pages(block, [p if c else 0 for p, c in zip(row, cols[j], strict=True)])
+            else:
+                block = pool.new_block([next(fresh) if c else 0 for c in cols[j]])
+            new.append(block)
+        reused = {old[j] for j in range(n_prefix) if reuse[j]}
+        pool.release([b for b in old[::-1] if b not in reused])
+        seq.blocks, seq.epoch = new, seq.epoch + 1
+        seq.n_prefix, seq.base = n_prefix, kept
+        seq.prefix_pages = sum(sum(c) for c in cols)
         seq.compressed, seq.shared_blocks = True, 0
-        return moves
+        return old, new
 
-    def compress_or_preempt(self, seq: Sequence, kept: list[int]):
+    def compress_or_preempt(self, seq: Sequence, kept):
         """`compress`, preempting the newest other running sequences while the pool lacks the
         fresh pages; with none left to preempt, `seq` itself waits to be recomputed. Returns the
-        moves, or None if `seq` was preempted. Short of pages it first gives up the prefix
-        cache's copies of blocks only it holds (`reclaim`), which needs no fresh page."""
+        (old, new) blocks, or None if `seq` was preempted. Short of pages it first gives up the
+        prefix cache's copies of blocks only it holds (`reclaim`), which needs no fresh page."""
         while True:
             try:
                 return self.compress(seq, kept)

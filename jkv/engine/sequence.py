@@ -1,8 +1,13 @@
-"""One request inside the engine: its tokens, how far the model has computed them, and its pages.
+"""One request inside the engine: its tokens, how far the model has computed them, and its blocks.
 
-Plain Python on ints. Every (layer, kv head) has its own page table and token count (`heads`,
-`held`, indexed `layer * num_kv_heads + head`): uncompressed they are all equal; after a KV
-policy compresses, each head keeps its own number of tokens on its own number of pages.
+Plain Python on ints. A sequence's page table is ONE list of block ids for all its (layer, kv
+head) pairs (`jkv.engine.page_pool`). Uncompressed, token t of every head is in block
+t // page_size. Once a KV policy compressed it, the first `n_prefix` blocks hold each head's
+kept tokens (`base[h]` of them, head h = layer * num_kv_heads + kv head, with holes where a
+head keeps fewer), and the tokens written after the compression follow in whole blocks (the
+tail), token t of the tail in block n_prefix + t // page_size of every head. An evicting
+policy's ring has no tail: its prefix blocks hold `limit` slots per head, overwritten in place.
+So a decode step adds at most one block to a sequence, whatever the model's shape.
 """
 
 from __future__ import annotations
@@ -24,28 +29,45 @@ class Sequence:
     max_tokens: int
     arrival: int  # admission order key (smaller: older)
     eos_ids: tuple[int, ...] = ()
-    extra_keys: tuple = ()  # prefix-cache keys of the first block (weights, kv dtype, tenant)
-    cacheable: bool = True  # its full prompt blocks may be published (no compression)
+    extra_keys: tuple = ()  # prefix-cache keys of the first block (weights, dtype, layout, tenant)
+    cacheable: bool = True  # its full prompt blocks may be published and taken
+    reserve: int | None = None  # tokens admission reserves for its output (None: max_tokens)
+    page_size: int = 16  # tokens per block (set by the scheduler)
+    group: int = 1  # pages per block: one per (layer, kv head) (set by the scheduler)
     output: list[int] = dataclasses.field(default_factory=list)
     status: Status = Status.WAITING
     num_computed: int = 0  # leading tokens whose K and V are in the pages
     num_cached: int = 0  # leading prompt tokens that came from the prefix cache (this admission)
-    heads: list[list[int]] = dataclasses.field(default_factory=list)  # page table per head
-    held: list[int] = dataclasses.field(default_factory=list)  # tokens stored per head
-    shared_blocks: int = 0  # leading blocks whose pages belong to the prefix cache
-    published: int = 0  # leading prompt blocks this sequence has published
+    blocks: list[int] = dataclasses.field(default_factory=list)  # the page table (block ids)
+    epoch: int = 0  # bumped whenever `blocks` is replaced rather than appended to
+    n_prefix: int = 0  # compressed: leading blocks holding each head's kept tokens
+    base: list[int] | None = None  # compressed: kept tokens per head (L * K of them)
+    prefix_pages: int = 0  # compressed: pages its prefix blocks hold (holes excluded)
+    hashes: list[bytes] = dataclasses.field(default_factory=list)  # its prompt's block hashes
+    shared_blocks: int = 0  # leading blocks taken from the prefix cache
+    published: int = 0  # leading prompt blocks in the prefix cache
     compresses: bool = False  # a KV policy compresses its prompt once it is in the pages
     window: int = 0  # prompt tokens the policy's last prefill step must hold (SnapKV's window)
     keep: int = 0  # tokens a head holds at most once compressed, generated ones included
     limit: int | None = None  # an evicting policy's slots per head once compressed (a ring)
     compressed: bool = False
     finish_reason: str | None = None
+    error: str | None = None  # why it failed (a step that raised)
     preemptions: int = 0
     first_scheduled: float | None = None  # time.monotonic() of the first step that ran it
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output
+
+    def token_slice(self, start: int, n: int) -> list[int]:
+        """`tokens[start : start + n]` without building the whole list."""
+        p = len(self.prompt)
+        if start + n <= p:
+            return self.prompt[start : start + n]
+        if start >= p:
+            return self.output[start - p : start - p + n]
+        return self.prompt[start:] + self.output[: start + n - p]
 
     @property
     def num_tokens(self) -> int:
@@ -65,12 +87,34 @@ class Sequence:
         """Its whole prompt is in the pages and its policy has not compressed it yet."""
         return self.compresses and not self.compressed and self.num_computed >= len(self.prompt)
 
-    def after(self, held: int, n: int) -> int:
-        """Tokens a head holding `held` holds after `n` more: an evicting policy's compressed
-        sequence overwrites its oldest tokens at its limit."""
-        if self.limit is not None and self.compressed:
-            return min(held + n, self.limit)
-        return held + n
+    @property
+    def ring(self) -> bool:
+        """Compressed by an evicting policy: fixed slots per head, overwritten in place."""
+        return self.compressed and self.limit is not None
 
-    def pages(self) -> list[int]:
-        return [p for table in self.heads for p in table]
+    @property
+    def tail(self) -> int:
+        """Tokens in whole blocks after the prefix: all of them uncompressed, those written
+        since the compression otherwise (a ring: written since, counted, not stored apart)."""
+        return self.num_computed - (len(self.prompt) if self.compressed else 0)
+
+    def blocks_after(self, n: int) -> int:
+        """Blocks it needs to hold `n` more computed tokens."""
+        page = self.page_size
+        if self.ring:
+            return self.n_prefix
+        return self.n_prefix + -(-(self.tail + n) // page)
+
+    def held(self, heads: int) -> list[int]:
+        """Tokens each of its `heads` (L * K) holds (tests and stats; the device computes the
+        same)."""
+        if not self.compressed:
+            return [self.num_computed] * heads
+        if self.limit is None:
+            return [b + self.tail for b in self.base]
+        return [min(b + self.tail, self.limit) for b in self.base]
+
+    @property
+    def pages(self) -> int:
+        """Pages it holds: its prefix's and its whole tail blocks'."""
+        return self.prefix_pages + (len(self.blocks) - self.n_prefix) * self.group

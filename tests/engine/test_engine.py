@@ -175,11 +175,11 @@ def test_aborts_and_preemptions_return_every_page(demo):
 
 
 def test_a_pool_sized_by_a_fraction_of_free_memory(demo):
-    cfg = demo.config
-    per_page = cfg.num_layers * 16 * (2 * cfg.head_dim * 4 + 4)  # K, V float32 + int32 positions
+    per_page = 16 * (2 * demo.config.head_dim * 4 + 4)  # one head's K, V float32 + positions
     free = available_bytes()
     engine = Engine(demo, page_size=16, memory_fraction=1e-4)
     assert abs(engine.pool.num_pages - free * 1e-4 / per_page) <= 0.02 * free * 1e-4 / per_page
+    assert engine.device.page_nbytes() == engine.pool.num_pages * per_page
     assert engine.generate([[5, 6, 7]], max_new_tokens=2) == [
         alone(demo, [5, 6, 7], max_new_tokens=2)
     ]

@@ -13,7 +13,7 @@ import pytest
 import jkv
 from jkv.engine import engine as engine_module
 from jkv.engine.engine import Engine
-from jkv.engine.runner import copy_slots, paged_step, write_mass, write_pages
+from jkv.engine.runner import compact, paged_step, set_rows, write_mass, write_pages
 from jkv.policies import H2O, AdaKV, EffiCache, PyramidKV, Quantile, SnapKV, StreamingLLM
 
 
@@ -66,7 +66,13 @@ def test_compressed_requests_arriving_at_random_steps_match_generate_alone(demo,
             if seq.compressed:  # each head holds the pages its kept tokens fill, no more
                 compressed.add(seq.request_id)
                 ps = engine.pool.page_size
-                assert [len(t) for t in seq.heads] == [-(-h // ps) for h in seq.held]
+                prefix = np.array([engine.pool.row(b) for b in seq.blocks[: seq.n_prefix]])
+                slots = [seq.limit] * len(seq.base) if seq.ring else seq.base
+                assert (prefix != 0).sum(axis=0).tolist() == [-(-h // ps) for h in slots]
+                assert seq.pages == (prefix != 0).sum() + (len(seq.blocks) - seq.n_prefix) * len(
+                    seq.base
+                )
+                assert len(seq.blocks) - seq.n_prefix == (0 if seq.ring else -(-seq.tail // ps))
         engine.pool.check()
     assert len(compressed) == sum(p is not None for p in policies)
     assert engine.pool.used_pages == 0
@@ -86,7 +92,7 @@ def test_compression_frees_pages_per_head(demo):
     engine.step()  # the whole prompt, then the compression
     seq = engine.scheduler.by_id[rid]
     heads = demo.config.num_layers * demo.config.num_kv_heads
-    assert seq.compressed and seq.held == [16] * heads
+    assert seq.compressed and seq.held(heads) == [16] * heads
     assert engine.pool.used_pages == heads * 4  # 16 kept tokens: 4 pages per head (was 16)
     rest = []
     while engine.has_work:
@@ -120,7 +126,7 @@ def test_no_step_compiles_after_warmup_with_policies(demo):
     engine = Engine(demo, num_pages=64, page_size=16, chunk=16, max_running=1, max_model_len=32,
                     attention_mass=True)  # fmt: skip
     engine.warmup(kv_policies=[H2O(budget=8, recent=2), EffiCache(window=8)])
-    compiled = (paged_step, write_pages, copy_slots, write_mass, engine_module._sensitivity)
+    compiled = (paged_step, write_pages, compact, set_rows, write_mass, engine_module._sensitivity)
     before = [f._cache_size() for f in compiled]
     rng = random.Random(1)
     for policy in (EffiCache(budget=0.5, window=8), EffiCache(budget=5, window=8), None,
@@ -141,14 +147,33 @@ def test_policies_the_engine_does_not_serve_get_clear_errors(demo):
     assert not engine.has_work and engine.pool.used_pages == 0
 
 
-def test_compaction_moves_skip_tokens_in_place():
-    from jkv.engine.runner import compaction_moves
+def test_compaction_moves_each_heads_kept_tokens_into_its_column():
+    """`compact` against numpy: kept tokens read from anywhere in the pool (their own
+    destination pages included) land in slot order in each head's column of the new blocks,
+    every other token untouched."""
+    import jax.numpy as jnp
 
-    order = np.array([[[1, 2, 5, 0, 3, 4, 6, 7]]])  # one layer, one head: keeps slots 1, 2, 5
-    moves = [([7, 8], [7])]  # two pages of 4 -> the first one, reused
-    layer, src, src_off, dst, dst_off = compaction_moves(moves, [3], order, 4, 1, 50)
-    live = dst < 50
-    assert list(zip(src[live], src_off[live], dst[live], dst_off[live], strict=True)) == [
-        (7, 1, 7, 0), (7, 2, 7, 1), (8, 1, 7, 2)
-    ]  # fmt: skip
-    assert len(dst) == 4 and list(dst[~live]) == [50]
+    from jkv.engine.runner import PagedKV
+
+    rng = np.random.default_rng(0)
+    pages, page, g, h = 12, 4, 2, 3
+    k = rng.normal(size=(pages, page, h)).astype(np.float32)
+    pos = rng.integers(0, 100, size=(pages, page)).astype(np.int32)
+    rows = np.zeros((4, g), np.int32)
+    rows[1] = [1, 2]
+    rows[2] = [3, 4]  # the new blocks: head 0 in pages 1 then 3, head 1 in pages 2 then 4
+    pool = PagedKV(k=jnp.asarray(k), v=jnp.asarray(-k), positions=jnp.asarray(pos),
+                   block_pages=jnp.asarray(rows))  # fmt: skip
+    src = np.array([[5, 4, 13, 30, 0], [9, 1, 2, 3, 8]], np.int32)  # pool tokens, kept first
+    counts = np.array([5, 2], np.int32)
+    table = np.array([1, 2, 0, 0], np.int32)
+    out = compact(pool, src, table, counts)
+    want_k, want_pos = k.reshape(-1, h).copy(), pos.reshape(-1).copy()
+    flat_k, flat_pos = k.reshape(-1, h), pos.reshape(-1)
+    for head in range(g):
+        for i in range(counts[head]):
+            dst = rows[table[i // page], head] * page + i % page
+            want_k[dst], want_pos[dst] = flat_k[src[head, i]], flat_pos[src[head, i]]
+    assert np.array_equal(np.asarray(out.k).reshape(-1, h), want_k)
+    assert np.array_equal(np.asarray(out.v).reshape(-1, h), -want_k)
+    assert np.array_equal(np.asarray(out.positions).reshape(-1), want_pos)

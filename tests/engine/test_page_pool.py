@@ -1,4 +1,5 @@
-"""The page pool: allocation, reference counts, the prefix cache, LRU and watermark recycling."""
+"""The page pool: blocks of pages, loose pages, reference counts, the prefix cache, LRU and
+watermark recycling."""
 
 from __future__ import annotations
 
@@ -9,28 +10,71 @@ import pytest
 from jkv.engine.page_pool import NULL_PAGE, OutOfPages, PagePool, block_hashes
 
 
-def test_pages_are_handed_out_once_and_come_back():
-    pool = PagePool(9, 4, 2)
-    a = pool.allocate(5)
-    assert NULL_PAGE not in a and len(set(a)) == 5 and pool.used_pages == 5
-    b = pool.allocate(3)
-    assert not set(a) & set(b) and pool.free_pages == 0
+def pages_of(pool, blocks):
+    return [p for b in blocks for p in pool.row(b) if p != NULL_PAGE]
+
+
+def test_blocks_are_handed_out_once_and_come_back():
+    pool = PagePool(9, 4, 2)  # 8 usable pages: 4 blocks of 2
+    a = pool.allocate_blocks(3)
+    assert len(set(a)) == 3 and pool.used_pages == 6
+    assert NULL_PAGE not in pages_of(pool, a) and len(set(pages_of(pool, a))) == 6
+    (b,) = pool.allocate_blocks(1)
+    assert not set(pages_of(pool, a)) & set(pages_of(pool, [b])) and pool.free_pages == 0
     with pytest.raises(OutOfPages):
-        pool.allocate(1)
+        pool.allocate_blocks(1)
     pool.release(a)
-    assert pool.used_pages == 3 and pool.usage == 3 / 8
+    assert pool.used_pages == 2 and pool.usage == 2 / 8
     pool.check()
     with pytest.raises(ValueError, match="released more often"):
         pool.release([a[0]])
 
 
 def test_a_failed_allocation_takes_nothing():
-    pool = PagePool(5, 4, 1)
-    pool.allocate(3)
-    with pytest.raises(OutOfPages, match="2 pages asked, 1 free"):
-        pool.allocate(2)
-    assert pool.free_pages == 1
+    pool = PagePool(9, 4, 2)
+    pool.allocate_blocks(3)
+    with pytest.raises(OutOfPages, match="2 blocks of 2 pages asked, 2 pages free"):
+        pool.allocate_blocks(2)
+    with pytest.raises(OutOfPages, match="3 pages asked, 2 free"):
+        pool.allocate_pages(3)
+    assert pool.free_pages == 2
     pool.check()
+
+
+def test_holes_give_pages_back_and_loose_pages_form_new_blocks():
+    pool = PagePool(9, 4, 4)  # 8 usable pages: 2 blocks of 4
+    x, y = pool.allocate_blocks(2)
+    pool.take_dirty()
+    row = pool.row(x)
+    pool.release_pages([row[1], row[3]])
+    row[1] = row[3] = NULL_PAGE
+    pool.set_pages(x, row)  # x keeps heads 0 and 2 only
+    assert pool.used_pages == 6 and pool.free_pages == 2
+    ids, rows = pool.take_dirty()
+    assert ids == [x] and rows == [row]
+    with pytest.raises(OutOfPages):
+        pool.allocate_blocks(1)  # 2 loose pages do not make a block of 4
+    pool.release([x])  # a block with holes: its pages go loose, its id is free
+    assert pool.free_pages == 4
+    (z,) = pool.allocate_blocks(1)  # formed from the loose pages: a changed row
+    ids, rows = pool.take_dirty()
+    assert ids == [z] and sorted(rows[0]) == sorted(pages_of(pool, [z]))
+    assert not set(pages_of(pool, [z])) & set(pages_of(pool, [y]))
+    pool.check()
+    pool.release([y, z])
+    assert pool.used_pages == 0
+    pool.check()
+
+
+def test_device_rows_of_untouched_blocks_never_change():
+    """Blocks that are reused whole keep their rows: only formed and holed blocks are dirty."""
+    pool = PagePool(33, 4, 4)
+    rows = pool.rows.tolist()
+    for _ in range(20):
+        got = pool.allocate_blocks(random.Random(0).randint(1, 8))
+        pool.release(got)
+    ids, _ = pool.take_dirty()
+    assert ids == [] and rows == pool.rows.tolist()
 
 
 def test_block_hashes_chain_and_separate_tenants():
@@ -42,58 +86,74 @@ def test_block_hashes_chain_and_separate_tenants():
     # the chain: the same second block after a different first block hashes differently
     other = block_hashes([7, 7, 7, 7] + toks[4:8], 4, ("w", "bf16", "tenant-a"))
     assert other[1] != h[1]
+    # a chain continued from its first hash equals the chain made at once
+    assert block_hashes(toks, 4, ("w", "bf16", "tenant-a"), h[0], 1) == h[1:]
 
 
 def _publish_prompt(pool, tokens, extra=()):
     hashes = block_hashes(tokens, pool.page_size, extra)
-    groups = [pool.allocate(pool.group_size) for _ in hashes]
-    for hsh, g in zip(hashes, groups, strict=True):
-        assert pool.publish(hsh, g)
-    return hashes, groups
+    blocks = pool.allocate_blocks(len(hashes))
+    for hsh, b in zip(hashes, blocks, strict=True):
+        assert pool.publish(hsh, b)
+    return hashes, blocks
 
 
-def test_prefix_lookup_shares_pages_and_counts_hits():
-    pool = PagePool(17, 2, 3)
-    hashes, groups = _publish_prompt(pool, [1, 2, 3, 4, 5, 6])
+def test_prefix_lookup_shares_blocks_and_counts_hits():
+    pool = PagePool(19, 2, 3)
+    hashes, blocks = _publish_prompt(pool, [1, 2, 3, 4, 5, 6])
     found = pool.lookup(block_hashes([1, 2, 3, 4, 9, 9], 2))
-    assert found == [tuple(groups[0]), tuple(groups[1])]
-    assert all(pool.refs[p] == 2 for g in found for p in g)
+    assert found == blocks[:2]
+    assert all(pool.refs[b] == 2 for b in found)
     assert (pool.stats.prefix_queries, pool.stats.prefix_hits) == (3, 2)
     pool.check()
 
 
-def test_idle_cached_pages_are_evicted_lazily_least_recent_first():
-    pool = PagePool(7, 2, 2)  # 6 usable pages: three groups
+def test_only_whole_blocks_are_cached():
+    pool = PagePool(9, 2, 2)
+    (b,) = pool.allocate_blocks(1)
+    row = pool.row(b)
+    pool.release_pages([row[1]])
+    row[1] = NULL_PAGE
+    pool.set_pages(b, row)
+    with pytest.raises(ValueError, match="holes"):
+        pool.publish(b"h", b)
+
+
+def test_idle_cached_blocks_are_evicted_lazily_least_recent_first():
+    pool = PagePool(7, 2, 2)  # 6 usable pages: three blocks
     _, (g1, g2, g3) = _publish_prompt(pool, [1, 2, 3, 4, 5, 6])
-    pool.release(g2)
-    pool.release(g1)
-    pool.release(g3)  # LRU: g2, g1, g3 (all cached and idle)
+    pool.release([g2])
+    pool.release([g1])
+    pool.release([g3])  # LRU: g2, g1, g3 (all cached and idle)
     assert pool.free_pages == 6 and pool.cached_idle_pages == 6
-    pool.allocate(1)  # evicts g2's first page, and g2 leaves the cache as a whole
+    pool.allocate_blocks(1)  # evicts g2
     assert pool.stats.recycled_lazy == 2
-    assert pool.lookup(block_hashes([1, 2, 3, 4], 2)) == [tuple(g1)]
-    assert not any(pool.is_cached(p) for p in g2)
+    assert pool.lookup(block_hashes([1, 2, 3, 4], 2)) == [g1]
+    assert not pool.is_cached(g2)
+    pages = pool.allocate_pages(1)  # a loose page: g3 is evicted and broken up
+    assert not pool.is_cached(g3) and pool.free_pages == 1
+    pool.new_block([pages[0], NULL_PAGE])
     pool.check()
 
 
-def test_a_hit_takes_idle_pages_out_of_the_lru_queue():
+def test_a_hit_takes_idle_blocks_out_of_the_lru_queue():
     pool = PagePool(5, 2, 2)
     hashes, (g,) = _publish_prompt(pool, [1, 2])
-    pool.release(g)
-    assert pool.lookup(hashes) == [tuple(g)] and pool.cached_idle_pages == 0
-    pool.allocate(2)  # the two uncached pages, not the held cached ones
+    pool.release([g])
+    assert pool.lookup(hashes) == [g] and pool.cached_idle_pages == 0
+    pool.allocate_blocks(1)  # the uncached block, not the held cached one
     with pytest.raises(OutOfPages):
-        pool.allocate(1)
+        pool.allocate_blocks(1)
     pool.check()
 
 
 def test_watermark_recycling_keeps_a_share_of_the_pool_uncached():
     pool = PagePool(11, 2, 2, recycle="watermark", recycle_below=0.5)  # 10 usable
-    _, groups = _publish_prompt(pool, list(range(8)))  # 8 pages in 4 groups
-    for g in groups:
-        pool.release(g)
-    # 2 plain free + 8 idle cached; the watermark wants 5 plain free: groups go, oldest first
-    assert pool.stats.recycled_watermark == 4  # two groups, both pages of each
+    _, blocks = _publish_prompt(pool, list(range(8)))  # 8 pages in 4 blocks
+    for b in blocks:
+        pool.release([b])
+    # 2 plain free + 8 idle cached; the watermark wants 5 plain free: blocks go, oldest first
+    assert pool.stats.recycled_watermark == 4  # two blocks, both pages of each
     assert pool.free_pages - pool.cached_idle_pages >= 5
     assert pool.lookup(block_hashes(list(range(8)), 2)) == []  # the first block went first
     pool.check()
@@ -101,34 +161,42 @@ def test_watermark_recycling_keeps_a_share_of_the_pool_uncached():
 
 def test_admission_headroom():
     pool = PagePool(101, 4, 1, admission_headroom=0.05)
-    pool.allocate(90)
+    pool.allocate_blocks(90)
     assert pool.can_admit(5) and not pool.can_admit(6)
 
 
 @pytest.mark.parametrize("recycle", ["lazy", "watermark"])
 def test_random_use_keeps_the_books(recycle):
+    """Blocks, cached blocks, blocks with holes and loose pages at random: every page stays in
+    exactly one place, and all come back."""
     rng = random.Random(0)
     pool = PagePool(64, 2, 3, recycle=recycle, recycle_below=0.2)
     held = []
-    for _ in range(2000):
+    for _ in range(3000):
         r = rng.random()
-        if r < 0.35 and pool.free_pages >= 3:
-            held.append(pool.allocate(rng.randint(1, 3)))
-        elif r < 0.5:
+        if r < 0.3 and pool.free_pages >= 3:
+            try:
+                held += pool.allocate_blocks(rng.randint(1, 2))
+            except OutOfPages:
+                pass
+        elif r < 0.45:
             toks = [rng.randint(0, 3) for _ in range(rng.choice([2, 4, 6]))]
             hashes = block_hashes(toks, 2)
             found = pool.lookup(hashes)
-            held.extend(list(g) for g in found)
+            held += found
             for hsh in hashes[len(found) :]:
-                if pool.free_pages < 3:
+                try:
+                    (b,) = pool.allocate_blocks(1)
+                except OutOfPages:
                     break
-                g = pool.allocate(3)
-                pool.publish(hsh, g)
-                held.append(g)
+                pool.publish(hsh, b)
+                held.append(b)
+        elif r < 0.55 and pool.free_pages >= 2 and pool.free_block_ids:
+            pages = pool.allocate_pages(2)  # a block with a hole, as a compression makes
+            held.append(pool.new_block([pages[0], NULL_PAGE, pages[1]]))
         elif held:
-            pool.release(held.pop(rng.randrange(len(held))))
+            pool.release([held.pop(rng.randrange(len(held)))])
         pool.check()
-    for g in held:
-        pool.release(g)
+    pool.release(held)
     pool.check()
     assert pool.used_pages == 0

@@ -18,34 +18,75 @@ GROUP = LAYERS * KV_HEADS
 
 class FakeDevice:
     """Pages as lists of (head, token id); the 'model' samples (sum of the last 3 tokens) %
-    vocab. Writing the head index too makes a page read by the wrong head show."""
+    vocab. Writing the head index too makes a page read by the wrong head show. It keeps its
+    own copy of the pool's block rows, told of changes as the runner tells the device: before
+    each step, and after a compaction has read its sources."""
 
     def __init__(self, pool: PagePool, vocab: int = 50):
         self.pool, self.vocab = pool, vocab
         self.pages = {p: [None] * pool.page_size for p in range(pool.num_pages)}
+        self.rows = [pool.row(b) for b in range(pool.num_blocks)]
+
+    def sync(self):
+        for b, row in zip(*self.pool.take_dirty(), strict=True):
+            self.rows[b] = row
+
+    def locate(self, seq: Sequence, head: int, slot: int) -> tuple[int, int]:
+        """(page, offset) of slot `slot` of head `head` (the layout of jkv.engine.sequence,
+        written again here as the reference)."""
+        ps = self.pool.page_size
+        if seq.compressed and not seq.ring and slot >= seq.base[head]:
+            t = slot - seq.base[head]
+            block = seq.blocks[seq.n_prefix + t // ps]
+            return int(self.rows[block][head]), t % ps
+        return int(self.rows[seq.blocks[slot // ps]][head]), slot % ps
 
     def run(self, plan) -> dict[str, int]:
-        ps = self.pool.page_size
+        self.sync()
         for s in plan.scheduled:
             seq = s.seq
-            for head, (table, held) in enumerate(zip(seq.heads, seq.held, strict=True)):
+            held = seq.held(GROUP)
+            for head in range(GROUP):
                 for i in range(s.n):
-                    slot = held + i
-                    page = table[slot // ps]
-                    assert self.pool.refs[page] == 1, f"write into shared page {page}"
-                    assert not self.pool.is_cached(page) or seq.compressed is False
-                    self.pages[page][slot % ps] = (head, seq.tokens[s.start + i])
+                    slot = held[head] + i
+                    assert not seq.ring, "the fake device has no ring"
+                    page, off = self.locate(seq, head, slot)
+                    assert page != 0, "a write into the null page"
+                    block = seq.blocks[self.block_index(seq, head, slot)]
+                    assert self.pool.refs[block] == 1, f"write into shared block {block}"
+                    assert not self.pool.is_cached(block) or seq.compressed is False
+                    self.pages[page][off] = (head, seq.tokens[s.start + i])
         return {
             s.seq.request_id: sum(s.seq.tokens[-3:]) % self.vocab
             for s in plan.scheduled
             if s.samples
         }
 
+    def block_index(self, seq, head, slot):
+        ps = self.pool.page_size
+        if seq.compressed and not seq.ring and slot >= seq.base[head]:
+            return seq.n_prefix + (slot - seq.base[head]) // ps
+        return slot // ps
+
+    def compact(self, seq: Sequence, old: list[int], order) -> None:
+        """The runner's compaction: head h's kept slots `order[h]` (old slot ids, in order)
+        read through the old rows, then written in order into the new prefix."""
+        ps = self.pool.page_size
+        cells = [
+            [self.pages[int(self.rows[old[s // ps]][h])][s % ps] for s in order[h]]
+            for h in range(GROUP)
+        ]
+        self.sync()
+        for h in range(GROUP):
+            for i, cell in enumerate(cells[h]):
+                self.pages[int(self.rows[seq.blocks[i // ps]][h])][i % ps] = cell
+
     def read(self, seq: Sequence, head: int) -> list:
         """The token ids head `head` of `seq` reads through its table (None: another head's)."""
-        ps = self.pool.page_size
-        table = seq.heads[head]
-        cells = [self.pages[table[i // ps]][i % ps] for i in range(seq.held[head])]
+        cells = []
+        for slot in range(seq.held(GROUP)[head]):
+            page, off = self.locate(seq, head, slot)
+            cells.append(self.pages[page][off])
         return [c[1] if c is not None and c[0] == head else None for c in cells]
 
 
@@ -196,24 +237,29 @@ def test_compression_frees_pages_and_copies_shared_ones():
     plan = sched.schedule()
     sched.finish_step(plan, dev.run(plan))
     b = sched.by_id["b"]
-    assert b.shared_blocks == 4 and b.num_computed == 20
+    assert b.shared_blocks == 4 and b.num_computed == 20 and len(b.blocks) == 5
     before = pool.used_pages
     kept = [5, 9, 1, 20]  # per (layer, head): as many as a per-head policy keeps
-    moves = sched.compress(b, kept)
-    for (old, new), k in zip(moves, kept, strict=True):  # the runner's copy, in slot order
-        src = [dev.pages[old[i // 4]][i % 4] for i in range(20)]  # (head, token) cells
-        keep = src[:k]
-        for i, t in enumerate(keep):
-            dev.pages[new[i // 4]][i % 4] = t
-    assert pool.used_pages == before - 20 + sum(-(-k // 4) for k in kept)
-    assert all(pool.is_cached(p) for p in moves[0][0][:4])  # the shared blocks stay cached
-    assert b.held == kept and b.compressed
-    plan = sched.schedule()  # decoding goes on: one more token on every head
+    order = [list(range(20))[-k:] for k in kept]  # each head keeps its last k tokens
+    old, new = sched.compress(b, kept)
+    dev.compact(b, old, order)
+    # its 5 prompt blocks are cached (4 from a, 1 it published): they stay there, copied on
+    # write into fresh blocks. 20 tokens of 4 heads held 20 pages; the kept ones 2+3+1+5
+    assert before == 20 and pool.used_pages == sum(-(-k // 4) for k in kept)
+    assert all(pool.is_cached(x) for x in old) and not set(old) & set(new) and b.n_prefix == 5
+    assert b.held(GROUP) == kept and b.compressed
+    for h in range(GROUP):
+        assert dev.read(b, h) == [b.tokens[i] for i in order[h]]
+    plan = sched.schedule()  # decoding goes on: one more token on every head, in a new block
     assert [s.n for s in plan.scheduled] == [1]
     sched.finish_step(plan, dev.run(plan))
-    assert b.held == [k + 1 for k in kept]
+    assert b.held(GROUP) == [k + 1 for k in kept] and len(b.blocks) == 6
+    for h in range(GROUP):
+        assert dev.read(b, h) == [b.tokens[i] for i in order[h]] + [b.tokens[20]]
+    pool.check()
     sched.abort("b")
     assert pool.used_pages == 0 and sched.abort("b") is None
+    pool.check()
 
 
 @pytest.mark.parametrize("recycle", ["lazy", "watermark"])
@@ -256,17 +302,19 @@ def test_compression_short_of_pages_takes_back_its_own_cached_pages():
     only it holds them, so they leave the prefix cache and it compacts into them in place (no
     preemption, no fresh page)."""
     pool, sched, dev = make(pages=21, page_size=4, token_budget=64, chunk=64)  # 20 usable
-    sched.add(seq("a", list(range(1, 17)), max_tokens=3))  # 16 tokens: 4 pages x 4 heads
+    sched.add(seq("a", list(range(1, 17)), max_tokens=3))  # 16 tokens: 4 blocks x 4 heads
     plan = sched.schedule()
     sched.finish_step(plan, dev.run(plan))
     a = sched.by_id["a"]
-    assert all(pool.is_cached(p) for p in a.pages()) and pool.free_pages == 4
+    assert all(pool.is_cached(b) for b in a.blocks) and pool.free_pages == 4
     with pytest.raises(OutOfPages):
         sched.compress(a, [9, 5, 16, 1])  # copies would need 3 + 2 + 4 + 1 fresh pages
-    old = [list(t) for t in a.heads]
-    moves = sched.compress_or_preempt(a, [9, 5, 16, 1])
-    assert moves is not None and sched.num_preemptions == 0
-    assert [new for _, new in moves] == [t[:n] for t, n in zip(old, [3, 2, 4, 1], strict=True)]
-    assert pool.stats.uncached > 0 and not any(pool.is_cached(p) for p in a.pages())
+    assert pool.used_pages == 16 and all(pool.is_cached(b) for b in a.blocks)  # unchanged
+    old = list(a.blocks)
+    moved = sched.compress_or_preempt(a, [9, 5, 16, 1])
+    assert moved is not None and sched.num_preemptions == 0
+    assert moved[1] == old and a.n_prefix == 4  # every block reused in place, holes in it
+    assert pool.row(old[3]) == [0, 0, pool.row(old[3])[2], 0] and pool.row(old[3])[2]
+    assert pool.stats.uncached > 0 and not any(pool.is_cached(b) for b in a.blocks)
     assert pool.used_pages == 10
     pool.check()
