@@ -318,3 +318,25 @@ def test_compression_short_of_pages_takes_back_its_own_cached_pages():
     assert pool.stats.uncached > 0 and not any(pool.is_cached(b) for b in a.blocks)
     assert pool.used_pages == 10
     pool.check()
+
+
+def test_a_request_without_a_limit_reserves_what_it_is_likely_to_need():
+    """`reserve`: admission counts that many output tokens (not all of max_tokens, which a
+    server sets to the rest of the context when a client gives none), so more such requests
+    run at once; one that outgrows its reserve takes pages as they come (preempted by the
+    usual rule when they run out) and ends as it would alone."""
+    runs = {}
+    for reserve in (None, 8):
+        pool, sched, dev = make(pages=161, page_size=4, token_budget=64, chunk=16,
+                                max_running=16)  # fmt: skip
+        for i in range(16):
+            sched.add(seq(f"r{i}", range(1 + i, 11 + i), max_tokens=60, reserve=reserve))
+        peak = []
+        finished, _ = run_all(
+            sched, dev, on_step=lambda p, s=sched, k=peak: k.append(len(s.running))
+        )
+        assert len(finished) == 16 and pool.used_pages == 0
+        runs[reserve] = max(peak), {s.request_id: s.output for s in finished}
+    assert runs[None][0] == 2  # 70 tokens reserved: 18 blocks x 4 pages of 160
+    assert runs[8][0] >= 6  # 10 + 8 tokens: 5 blocks
+    assert runs[None][1] == runs[8][1]
