@@ -1,0 +1,170 @@
+"""ragged_paged_attention_xla (the engine's XLA path) against its float32 reference, and the
+reference against the dense decode reference and a numpy loop of its own.
+
+Pools are built like the engine's: each (row, kv head) gets pages drawn shuffled from the pool;
+rows are a mix of one-query decode rows and chunks of several queries whose tokens are in the
+pool already; compressed heads have a gap (slots between the end of their prefix and the start
+of their tail); every slot no head reads is poisoned (NaN K, V and scales, a far-away position).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jkv_kernels.decode_attention import decode_attention_reference
+from jkv_kernels.kv_quantize import quantize_reference
+from jkv_kernels.ragged_paged_attention import (
+    ragged_paged_attention_reference,
+    ragged_paged_attention_xla,
+)
+
+KH, G, H = 2, 2, 16
+POISON_POS = 1 << 30
+
+
+def make_case(rng, q_lens, page, m, dtype, gaps: bool):
+    """Rows with `q_lens` queries each (1: decode); returns the kernel's arguments."""
+    r = len(q_lens)
+    p = r * KH * m + 8
+    lengths = np.zeros((r, KH), np.int32)
+    gap = np.zeros((r, KH, 2), np.int32)
+    table = rng.integers(0, p, (r, KH, m)).astype(np.int32)  # arbitrary past a head's pages
+    free = iter(rng.permutation(np.arange(1, p)))
+    pos = np.full((p, page), POISON_POS, np.int32)
+    live = np.zeros((p, page), bool)
+    q_pos = []
+    for i, n in enumerate(q_lens):
+        ctx = int(rng.integers(n, m * page - page + 1))  # the row's tokens, its queries last
+        # text positions increasing with the slot (evicted tokens leave holes in the text),
+        # the same for every head of the row
+        text = np.cumsum(rng.integers(1, 3, m * page))
+        for k in range(KH):
+            held = ctx
+            lo = hi = 0
+            if gaps and i % 2:  # a compressed head: prefix, gap to the next page, then a tail
+                base = int(rng.integers(0, 2 * page))
+                hi = -(-max(base, 1) // page) * page
+                lo = base
+                held = hi + ctx - min(ctx, page)  # tail tokens after the gap
+            need = -(-held // page)
+            if need > m:
+                held, need = m * page, m
+            lengths[i, k] = held
+            gap[i, k] = (lo, hi)
+            for j in range(need):
+                table[i, k, j] = next(free)
+            slots = [s for s in range(held) if not lo <= s < hi]
+            for s, x in zip(slots, text, strict=False):
+                pos[table[i, k, s // page], s % page] = x
+                live[table[i, k, s // page], s % page] = True
+        # the row's queries: its last n tokens (the last one at the latest position any head
+        # holds)
+        last = max(int(text[len([s for s in range(lengths[i, k]) if not gap[i, k, 0] <= s
+                                 < gap[i, k, 1]]) - 1]) for k in range(KH))  # fmt: skip
+        q_pos += list(range(last - n + 1, last + 1))
+    k = rng.standard_normal((p, page, H)).astype(np.float32)
+    v = rng.standard_normal((p, page, H)).astype(np.float32)
+    k[~live], v[~live] = np.nan, np.nan
+    t = sum(q_lens)
+    q_start = np.cumsum([0, *q_lens[:-1]]).astype(np.int32)
+    args = dict(
+        q=rng.standard_normal((t + 3, KH * G, H)).astype(np.float32),  # 3 tokens of no row
+        page_table=table,
+        lengths=lengths,
+        q_start=q_start,
+        q_len=np.asarray(q_lens, np.int32),
+        q_positions=np.asarray(q_pos + [0, 0, 0], np.int32),
+        pos_pages=pos,
+        gaps=gap if gaps else None,
+    )
+    scales = {}
+    if dtype == "fp8":
+        (k8, ks), (v8, vs) = (quantize_reference(x[None], scale_dtype=jnp.bfloat16) for x in (k, v))
+        k, v = np.asarray(k8[0]), np.asarray(v8[0])
+        scales = dict(k_scale=np.array(ks[0]), v_scale=np.array(vs[0]))
+        scales["k_scale"][~live] = np.nan
+        scales["v_scale"][~live] = np.nan
+    elif dtype == "bf16":
+        k, v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+    return dict(args, k_pages=k, v_pages=v, **scales)
+
+
+def numpy_reference(a, window=None):
+    """The maths of the module docstring, one query at a time, in float64."""
+    q = np.asarray(a["q"], np.float64)
+    k = np.asarray(jnp.asarray(a["k_pages"]).astype(jnp.float32), np.float64)
+    v = np.asarray(jnp.asarray(a["v_pages"]).astype(jnp.float32), np.float64)
+    if "k_scale" in a:
+        k = k * np.asarray(jnp.asarray(a["k_scale"]).astype(jnp.float32))[..., None]
+        v = v * np.asarray(jnp.asarray(a["v_scale"]).astype(jnp.float32))[..., None]
+    page = k.shape[1]
+    out = np.zeros(q.shape)
+    for r, (s0, n) in enumerate(zip(a["q_start"], a["q_len"], strict=True)):
+        for t in range(s0, s0 + n):
+            for kv in range(KH):
+                lo, hi = a["gaps"][r, kv] if a["gaps"] is not None else (0, 0)
+                slots = [s for s in range(a["lengths"][r, kv]) if not lo <= s < hi]
+                pages = [a["page_table"][r, kv, s // page] for s in slots]
+                offs = [s % page for s in slots]
+                pos = np.array([a["pos_pages"][pg, o] for pg, o in zip(pages, offs, strict=True)])
+                ok = pos <= a["q_positions"][t]
+                if window is not None:
+                    ok &= a["q_positions"][t] - pos < window
+                if not ok.any():
+                    continue
+                kk = np.stack([k[pg, o] for pg, o in zip(pages, offs, strict=True)])[ok]
+                vv = np.stack([v[pg, o] for pg, o in zip(pages, offs, strict=True)])[ok]
+                for g in range(G):
+                    z = kk @ q[t, kv * G + g] * H**-0.5
+                    w = np.exp(z - z.max())
+                    out[t, kv * G + g] = (w / w.sum()) @ vv
+    return out
+
+
+CASES = [  # (query lengths per row, page, pages per row, dtype, gaps, window)
+    ([1, 1, 1], 4, 5, "f32", False, None),
+    ([1, 5, 1, 9], 4, 6, "f32", True, None),
+    ([3, 1, 17], 8, 4, "bf16", True, None),
+    ([1, 1, 6, 2], 4, 5, "fp8", True, None),
+    ([1, 7, 1], 4, 6, "f32", False, 5),
+]
+
+
+@pytest.mark.parametrize(
+    "q_lens, page, m, dtype, gaps, window",
+    CASES,
+    ids=[
+        f"R={len(c[0])}_Q={max(c[0])}_page={c[1]}_M={c[2]}_{c[3]}_gaps={c[4]}_w={c[5]}"
+        for c in CASES
+    ],  # fmt: skip
+)
+def test_xla_path_matches_the_reference(rng, rel_err, q_lens, page, m, dtype, gaps, window):
+    a = make_case(rng, q_lens, page, m, dtype, gaps)
+    ref = ragged_paged_attention_reference(**a, sliding_window=window)
+    want = numpy_reference(a, window)
+    assert rel_err(ref, want) < 1e-5  # the reference is what the docstring says
+    n_dec = sum(1 for n in q_lens if n == 1)
+    order = np.argsort([n != 1 for n in q_lens], kind="stable")  # decode rows first
+    b = {**a}
+    for name in ("page_table", "lengths", "q_start", "q_len"):
+        b[name] = a[name][order]
+    if gaps:
+        b["gaps"] = a["gaps"][order]
+    out = ragged_paged_attention_xla(**b, num_decode=n_dec, num_rows=len(q_lens),
+                                     sliding_window=window, q_tile=4, row_tile=2, pages_per_step=2)  # fmt: skip
+    tol = {"f32": 1e-5, "bf16": 1e-5, "fp8": 1e-5}[dtype]  # same stored values as the reference
+    assert not np.isnan(np.asarray(out)).any()
+    assert rel_err(out, ref) < tol
+    assert np.all(np.asarray(out)[-3:] == 0)  # tokens of no row
+
+
+def test_the_reference_is_dense_decode_attention_on_one_query_rows(rng, rel_err):
+    a = make_case(rng, [1, 1, 1, 1], 4, 5, "f32", False)
+    ref = ragged_paged_attention_reference(**a)
+    page = a["k_pages"].shape[1]
+    dense_k = np.asarray(a["k_pages"])[a["page_table"]].reshape(4, KH, -1, H)
+    dense_v = np.asarray(a["v_pages"])[a["page_table"]].reshape(4, KH, -1, H)
+    dense = decode_attention_reference(a["q"][:4], dense_k, dense_v, a["lengths"])
+    assert rel_err(ref[:4], dense) < 1e-5 and page == 4
