@@ -267,13 +267,17 @@ def forward(
       cache: per-layer cache entries (a sequence of L opaque pytrees) or None.
       attention: called by every layer as `attention(layer, q, k, v, positions, cache_entry)`;
         None: causal attention within `tokens` (no cache).
-      logits_at: optional `[B]` int32 index of the one position per row whose logits are wanted.
+      logits_at: optional `[B]` int32 index of the one position per row whose logits are wanted,
+        or `[B, R]` of R positions per row (a flattened batch of ragged rows).
 
     Returns:
-      (logits float32 `[B, T, V]`, or `[B, V]` with `logits_at`; the new cache or None).
+      (logits float32 `[B, T, V]`, or `[B, V]` (`[B, R, V]`) with `logits_at`; the new cache or
+      None).
     """
     model = Llama(config)
     hidden, cache = model.apply({"params": params}, tokens, positions, cache, attention)
-    if logits_at is not None:
+    if logits_at is not None and logits_at.ndim == 2:
+        hidden = jnp.take_along_axis(hidden, logits_at[:, :, None], axis=1)  # [B, R, D]
+    elif logits_at is not None:
         hidden = jnp.take_along_axis(hidden, logits_at[:, None, None], axis=1)[:, 0]  # [B, D]
     return model.apply({"params": params}, hidden, method=Llama.logits), cache

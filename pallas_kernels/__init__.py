@@ -50,10 +50,16 @@ from jkv_kernels.prefill_attention_mass import (
     prefill_attention_mass,
     prefill_attention_mass_reference,
 )
+from jkv_kernels.ragged_paged_attention import (
+    ragged_paged_attention_reference,
+    ragged_paged_attention_xla,
+)
 from jkv_kernels.segment_merge import Merged, segment_merge, segment_merge_reference
 from jkv_kernels.window_scores import window_scores, window_scores_reference
 
 __all__ = [
+    "ragged_paged_attention_reference",
+    "ragged_paged_attention_xla",
     "scatter_set",
     "window_set",
     "window_set_in_place",

@@ -27,6 +27,7 @@ from jkv_kernels import (
     prefill_attention_mass_blocked,
     quantize_append,
     quantize_append_xla,
+    ragged_paged_attention_xla,
     segment_merge,
     segment_merge_reference,
     window_scores,
@@ -51,6 +52,8 @@ class Ops:
     segment_merge: Callable
     decode_attention: Callable | None
     lowrank_attention: Callable | None
+    # the engine's flattened step: a ragged batch of queries over the paged pool
+    ragged_attention: Callable = ragged_paged_attention_xla
 
 
 def _kernels(name: str, interpret: bool) -> Ops:

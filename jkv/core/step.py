@@ -65,3 +65,13 @@ def model_step(
 def next_positions(kv: kvlib.KVState, t: int) -> jax.Array:
     """`[B, T]` int32 positions of T tokens that continue each row of `kv`."""
     return kv.next_position[:, None] + jnp.arange(t, dtype=jnp.int32)
+
+
+def flat_step(weights, config: ModelConfig, tokens, positions, attend, logits_at) -> jax.Array:
+    """THE model over one flattened batch of tokens `[T]` at `positions` `[T]` (the engine's
+    rows one after another; `attend` knows which token is whose, `jkv.core.paged`). Returns
+    float32 logits `[R, V]` at the `logits_at` `[R]` tokens."""
+    logits, _ = forward(
+        weights, config, tokens[None], positions[None], None, attend, logits_at=logits_at[None]
+    )
+    return logits[0]

@@ -44,8 +44,10 @@ import jax
 import numpy as np
 
 from jkv import kv as kvlib
+from jkv.core.paged import PagedRows
 from jkv.core.sampling import SamplingArrays
 from jkv.engine.page_pool import PagePool
+from jkv.engine.ragged import order, pack_ragged, ragged_step
 from jkv.engine.runner import (
     Rows,
     RowTables,
@@ -423,13 +425,18 @@ class Engine(Streams):
         self._sync_rows()
         sampled: dict[str, int] = {}
         kept: dict[str, tuple] = {}  # what a policy keeps of prompts that end in this step
-        groups: dict[object, list] = {}  # decodes, then prefill chunks by the policy they feed
+        flat, groups = [], {}  # rows with no policy this step; the others by the policy
         for r in plan.scheduled:
             key = self._policy_key(r)
+            if key is None:
+                flat.append(r)
+                continue
             # One token per row (a decode step) unless a policy is still to compress the
             # prompt: that step must be a prompt step (SnapKV votes; a ring appends, not evicts)
             one = r.n == 1 and not (r.seq.compresses and not r.seq.compressed)
             groups.setdefault((one, key), []).append(r)
+        if flat:
+            sampled.update(self._run_flat(order(flat)))
         for (_, key), rows in groups.items():
             sampled.update(self._run(rows, key, kept))
         # before any frees: prefix-cache hits and pages held
@@ -485,6 +492,26 @@ class Engine(Streams):
         # an evicting policy rotates keys and evicts in every step
         return policy.jit_key() if compressing or (policy and policy.evicts) else None
 
+    def _sampling(self, scheduled, b: int):
+        reqs = [self._rows[r.seq.request_id].req for r in scheduled]
+        reqs += [reqs[0]] * (b - len(scheduled))  # padding rows sample and are ignored
+        index = np.zeros((b,), np.int32)
+        index[: len(scheduled)] = [len(r.seq.output) for r in scheduled]
+        return SamplingArrays.build([q.sampling for q in reqs], [q.seed for q in reqs]), index
+
+    def _run_flat(self, scheduled) -> dict[str, int]:
+        """The rows that need no policy this step, in one flattened step over the pool."""
+        rows, tokens, positions = pack_ragged(
+            scheduled, self.rows, self.scheduler.group, self.pool.page_size
+        )
+        sampling, index = self._sampling(scheduled, len(rows.q_len))
+        tok, self.device = ragged_step(
+            self.params.weights, self.params.config, self.device, rows, tokens, positions,
+            sampling, index, backend=self.backend, dtype=self.kv_dtype,
+        )  # fmt: skip
+        tok = np.asarray(tok)
+        return {r.seq.request_id: int(tok[i]) for i, r in enumerate(scheduled) if r.samples}
+
     def _run(self, scheduled, policy, kept) -> dict[str, int]:
         cfg = self.params.config
         rows, tokens, n_new, start = pack(
@@ -506,10 +533,7 @@ class Engine(Streams):
             ]
             if policy.needs_sensitivity:
                 sensitivity = self._sensitivity(scheduled, ending, b)
-        reqs += [reqs[0]] * (b - len(scheduled))  # padding rows sample and are ignored
-        sampling = SamplingArrays.build([q.sampling for q in reqs], [q.seed for q in reqs])
-        index = np.zeros((b,), np.int32)
-        index[: len(scheduled)] = [len(r.seq.output) for r in scheduled]
+        sampling, index = self._sampling(scheduled, b)
         tok, writes, selection, mass = paged_step(
             self.params.weights, cfg, self.device, rows, tokens, n_new, start, sampling,
             index, budgets, limits, sensitivity, backend=self.backend, dtype=self.kv_dtype,
@@ -609,18 +633,19 @@ class Engine(Streams):
     # ------------------------------------------------------------------ the rest
 
     def warmup(self, kv_policies=()) -> float:
-        """Compiles every step shape a request can need (rows: powers of two up to
-        max_running; new tokens: 1 or the chunk; blocks per row: powers of two up to
-        max_model_len's), for the full cache and for each of `kv_policies` (names or
-        `jkv.policies.KVPolicy` objects; budgets do not matter, they are data), every
-        compaction and every block-row update size, so that no request compiles later.
-        Returns the seconds it took."""
+        """Compiles every step shape a request can need, so that no request compiles later:
+        the flattened step at every (rows, tokens) bucket (rows: powers of two up to
+        max_running; tokens: up to the token budget's); for each of `kv_policies` (names or
+        `jkv.policies.KVPolicy` objects; budgets do not matter, they are data) the gathering
+        step (rows; new tokens 1 or the chunk; blocks per row: powers of two up to
+        max_model_len's) and every compaction; every block-row update size. Returns the
+        seconds it took."""
         t0 = time.perf_counter()
         cfg = self.params.config
         g = self.scheduler.group
         rows = [1 << i for i in range(bucket(self.scheduler.max_running).bit_length())]
         widths = [1 << i for i in range(bucket(self.rows.width).bit_length())]
-        keys = [None]
+        keys = []  # the full cache runs the flattened step only
         for p in kv_policies:
             policy = resolve(p, None) if isinstance(p, str) else p
             self._check_policy(policy)
@@ -630,7 +655,7 @@ class Engine(Streams):
         for key, b, t, m in itertools.product(keys, rows, (1, self.scheduler.chunk), widths):
             sampling = SamplingArrays.build([probe.sampling] * b, [probe.seed] * b)
             sens = None
-            if key is not None and key.needs_sensitivity:
+            if key.needs_sensitivity:
                 sens = np.zeros((b, cfg.num_layers, cfg.num_kv_heads), np.float32)
             idle = Rows(z(b, m), z(b, g), z(b), z(b), np.zeros(b, bool))
             tok, writes, kept, mass = paged_step(
@@ -640,20 +665,39 @@ class Engine(Streams):
             self.device = write_pages(self.device, writes)  # nothing written: n_new is 0
             if mass is not None:
                 self.device = write_mass(self.device, *mass)
-            if kept is not None and b == 1:  # one compaction program per dense size
+            if b == 1:  # one compaction program per dense size
                 self.device = compact(self.device, kept[0][0].reshape(g, -1),
                                       z(self.rows.width), z(g))  # fmt: skip
             tok.block_until_ready()
+        self._warm_flat(rows)
         for n in (1 << i for i in range(bucket(self.pool.num_blocks).bit_length())):
             ids = np.full(n, self.pool.num_blocks, np.int32)  # every row dropped
             self.device = set_rows(self.device, ids, z(n, g))
-        if any(k is not None and k.needs_sensitivity for k in keys):  # every prompt bucket
+        if any(k.needs_sensitivity for k in keys):  # every prompt bucket
             top = kvlib.bucket(self.max_model_len)
             for n in sorted({kvlib.bucket(1 << i) for i in range(top.bit_length())}):
                 x = np.zeros((1, n), np.int32)
                 _sensitivity(self.params.weights, cfg, x, np.ones(1, np.int32)).block_until_ready()
         jax.block_until_ready(self.device)
         return time.perf_counter() - t0
+
+    def _warm_flat(self, rows) -> None:
+        """The flattened step at every (rows, tokens) bucket a step can have: tokens from the
+        rows' count (one each) to the token budget's bucket."""
+        cfg, g = self.params.config, self.scheduler.group
+        probe = Request.build(self.params)
+        most = bucket(self.scheduler.token_budget)
+        for b in rows:
+            for t in (1 << i for i in range(b.bit_length() - 1, most.bit_length())):
+                z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+                idle = PagedRows(z(b, self.rows.width), z(b, g), z(b), z(b), z(b), z(b),
+                                 np.full(t, b, np.int32), z(t), np.int32(0), np.int32(0))  # fmt: skip
+                sampling = SamplingArrays.build([probe.sampling] * b, [probe.seed] * b)
+                tok, self.device = ragged_step(
+                    self.params.weights, cfg, self.device, idle, z(t), z(t), sampling, z(b),
+                    backend=self.backend, dtype=self.kv_dtype,
+                )  # fmt: skip
+                tok.block_until_ready()
 
     def stats(self) -> dict:
         """Counters for monitoring (read without waiting for a step): pages (total usable,

@@ -12,6 +12,7 @@ import pytest
 
 import jkv
 from jkv.engine.engine import Engine
+from jkv.engine.ragged import ragged_step
 from jkv.engine.runner import paged_step, write_pages
 from jkv.limits import available_bytes
 
@@ -104,11 +105,12 @@ def test_no_step_compiles_after_warmup(demo):
     engine = Engine(demo, num_pages=64, page_size=16, chunk=16, max_running=2, max_model_len=32)
     seconds = engine.warmup()
     assert seconds > 0
-    before = paged_step._cache_size(), write_pages._cache_size()
+    compiled = (ragged_step, paged_step, write_pages)
+    before = [f._cache_size() for f in compiled]
     rng = random.Random(1)
     prompts = random_prompts(rng, 5, demo.config.vocab_size, 1, 20)
     engine.generate(prompts, max_new_tokens=12, temperature=0.5)
-    assert (paged_step._cache_size(), write_pages._cache_size()) == before
+    assert [f._cache_size() for f in compiled] == before
 
 
 def test_requests_the_engine_cannot_serve_get_clear_errors(demo):

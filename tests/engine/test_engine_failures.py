@@ -85,7 +85,9 @@ def fail_then_recover(engine, demo, prompts, monkeypatch, target, after, **setti
 
 @pytest.mark.parametrize(
     "where, after",
-    [("paged_step", False), ("write_pages", True), ("finish_step", True)],
+    # before the model call; after the step that donated the pool (its buffers gone); inside
+    # the host's books
+    [("ragged_step", False), ("ragged_step", True), ("finish_step", True)],
 )
 def test_a_failed_step_fails_its_requests_and_the_next_ones_succeed(
     engine, demo, prompts, monkeypatch, where, after
@@ -101,9 +103,15 @@ def test_a_failed_step_fails_its_requests_and_the_next_ones_succeed(
     assert engine.failures == failures + 1
 
 
-def test_a_failed_compaction_leaves_a_valid_pool(engine, demo, prompts, monkeypatch):
+@pytest.mark.parametrize("where", ["write_pages", "compact"])
+def test_a_failed_policy_step_or_compaction_leaves_a_valid_pool(
+    engine, demo, prompts, monkeypatch, where
+):
+    """A compressing request's prompt step (the gathering path) or its compaction raises
+    after donating the pool."""
+
     def target(fn):
-        return (engine_module, "compact", fn)
+        return (engine_module, where, fn)
 
     fail_then_recover(engine, demo, prompts, monkeypatch, target, True,
                       kv_policy=jkv.SnapKV(budget=8, window=4))  # fmt: skip
@@ -116,7 +124,7 @@ def test_a_lost_pool_drops_the_prefix_cache(demo, prompts, monkeypatch):
     long = prompts[0] * 2
     run(engine, [long], max_new_tokens=3)  # publishes its blocks
     assert engine.pool.cached_idle_pages > 0
-    monkeypatch.setattr(engine_module, "write_pages", once(engine_module.write_pages, True))
+    monkeypatch.setattr(engine_module, "ragged_step", once(engine_module.ragged_step, True))
     assert run(engine, [prompts[1]], max_new_tokens=3)[0][1] == "error"
     monkeypatch.undo()
     assert engine.pool.cached_idle_pages == 0
@@ -126,7 +134,7 @@ def test_a_lost_pool_drops_the_prefix_cache(demo, prompts, monkeypatch):
 
 def test_an_unrecoverable_failure_makes_the_engine_unhealthy(demo, prompts, monkeypatch):
     engine = Engine(demo, num_pages=160, page_size=8, token_budget=64, chunk=32)
-    monkeypatch.setattr(engine_module, "write_pages", once(engine_module.write_pages, True))
+    monkeypatch.setattr(engine_module, "ragged_step", once(engine_module.ragged_step, True))
 
     def broken(lost):
         raise OSError("no device")
@@ -140,7 +148,7 @@ def test_an_unrecoverable_failure_makes_the_engine_unhealthy(demo, prompts, monk
 
 
 def test_a_stream_whose_step_fails_raises_and_others_go_on(engine, demo, prompts, monkeypatch):
-    monkeypatch.setattr(engine_module, "paged_step", once(engine_module.paged_step, False))
+    monkeypatch.setattr(engine_module, "ragged_step", once(engine_module.ragged_step, False))
 
     async def one(prompt):
         return [t async for out in engine.stream(prompt, max_new_tokens=4) for t in out.new_tokens]

@@ -13,6 +13,7 @@ import pytest
 import jkv
 from jkv.engine import engine as engine_module
 from jkv.engine.engine import Engine
+from jkv.engine.ragged import ragged_step
 from jkv.engine.runner import compact, paged_step, set_rows, write_mass, write_pages
 from jkv.policies import H2O, AdaKV, EffiCache, PyramidKV, Quantile, SnapKV, StreamingLLM
 
@@ -126,7 +127,8 @@ def test_no_step_compiles_after_warmup_with_policies(demo):
     engine = Engine(demo, num_pages=64, page_size=16, chunk=16, max_running=1, max_model_len=32,
                     attention_mass=True)  # fmt: skip
     engine.warmup(kv_policies=[H2O(budget=8, recent=2), EffiCache(window=8)])
-    compiled = (paged_step, write_pages, compact, set_rows, write_mass, engine_module._sensitivity)
+    compiled = (ragged_step, paged_step, write_pages, compact, set_rows, write_mass,
+                engine_module._sensitivity)  # fmt: skip
     before = [f._cache_size() for f in compiled]
     rng = random.Random(1)
     for policy in (EffiCache(budget=0.5, window=8), EffiCache(budget=5, window=8), None,

@@ -1,0 +1,121 @@
+"""Attention over the engine's paged pool, in place: each layer writes the step's new K and V
+into their pages, then attends through each row's page table (`ragged_attention` of the
+backend: no dense copy of a row's context).
+
+The step is one flattened batch of tokens (vLLM v1: no phases): decode rows' single tokens
+first, then prefill chunks, row r's tokens at `q_start[r] .. q_start[r] + q_len[r]`. Where a
+row's tokens live (`PagedRows`) follows the engine's layout (`jkv.engine.sequence`): its
+blocks' pages per (layer, kv head) in `block_pages`, a compressed head's kept tokens below its
+`base` count in the first `n_prefix` blocks, everything else (all of an uncompressed row) in the
+tail, token t of the tail at slot n_prefix * page_size + t of every head.
+
+The pool travels through the layers as one value (`PoolState`): a layer's writes are in the
+pool the next layer reads, and the whole step updates the donated buffers in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jkv import kv as kvlib
+from jkv.core.backends import ops
+from jkv_kernels import quantize_reference, scatter_set
+from jkv_models.llama import rope
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedRows:
+    """Where the step's rows and tokens live (host numpy, traced in the step)."""
+
+    tables: jax.Array  # [R, M] int32 block ids of each row (0: none)
+    base: jax.Array  # [R, L * K] int32 compressed: kept tokens per head in the prefix; else 0
+    n_prefix: jax.Array  # [R] int32 prefix blocks (0: uncompressed)
+    held: jax.Array  # [R] int32 tail tokens after the step (all of an uncompressed row's)
+    q_start: jax.Array  # [R] int32 the row's first token in the step
+    q_len: jax.Array  # [R] int32 its tokens in the step (0: a padding row)
+    tok_row: jax.Array  # [T] int32 each token's row (R: padding)
+    tok_slot: jax.Array  # [T] int32 each token's tail slot (n_prefix * page_size + tail index)
+    num_decode: jax.Array  # [] int32 rows [0, num_decode) hold one token each
+    num_rows: jax.Array  # [] int32 real rows
+
+
+def token_pages(pool, rows: PagedRows, layer: int, num_kv_heads: int) -> jax.Array:
+    """`[T, K]` int32 pool token (page * page_size + offset) each new token of `layer`'s kv
+    heads goes to; out of range for padding tokens (the write is dropped)."""
+    page = pool["k"].shape[1]
+    heads = layer * num_kv_heads + jnp.arange(num_kv_heads)
+    r = jnp.minimum(rows.tok_row, rows.tables.shape[0] - 1)
+    col = jnp.clip(rows.tok_slot // page, 0, rows.tables.shape[1] - 1)
+    block = rows.tables[r, col]  # [T]
+    at = (
+        pool["block_pages"][block[:, None], heads[None, :]] * page + (rows.tok_slot % page)[:, None]
+    )
+    real = rows.tok_row < rows.tables.shape[0]
+    return jnp.where(real[:, None], at, pool["k"].shape[0] * page)
+
+
+def head_layout(pool, rows: PagedRows, layer: int, num_kv_heads: int):
+    """(page table `[R, K, M]`, lengths `[R, K]`, gaps `[R, K, 2]`) of `layer`'s kv heads after
+    the step's writes: a compressed head's slots from its kept count to the end of the prefix
+    hold nothing."""
+    page = pool["k"].shape[1]
+    heads = layer * num_kv_heads + jnp.arange(num_kv_heads)
+    table = pool["block_pages"][rows.tables][:, :, heads]  # [R, M, K]
+    prefix = (rows.n_prefix * page)[:, None]  # [R, 1]
+    base = rows.base[:, heads]  # [R, K]
+    lengths = jnp.broadcast_to(prefix + rows.held[:, None], base.shape)
+    gaps = jnp.stack([base, jnp.broadcast_to(prefix, base.shape)], axis=-1)
+    return jnp.transpose(table, (0, 2, 1)), lengths, gaps
+
+
+def write_tokens(pool, at, k, v, positions, kv_dtype: str):
+    """The new tokens (`k`, `v` `[T, K, H]`, `positions` `[T]`) written at pool tokens `at`
+    `[T, K]`; fp8 storage gets one bfloat16 scale per token (`kv_quantize`'s rule)."""
+    flat = lambda x: x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])  # noqa: E731
+    out = dict(pool)
+    if kv_dtype == "float8_e4m3fn":
+        for name, x in (("k", k), ("v", v)):
+            values, scales = quantize_reference(
+                jnp.swapaxes(x, 0, 1)[None], scale_dtype=kvlib.SCALE_DTYPE
+            )  # [1, K, T, H]
+            out[name] = scatter_set(flat(pool[name]), at, jnp.swapaxes(values[0], 0, 1))
+            out[f"{name}_scale"] = scatter_set(
+                flat(pool[f"{name}_scale"]), at, jnp.swapaxes(scales[0], 0, 1)
+            )
+    else:
+        out["k"] = scatter_set(flat(pool["k"]), at, k)
+        out["v"] = scatter_set(flat(pool["v"]), at, v)
+    pos = jnp.broadcast_to(positions[:, None], at.shape)
+    out["positions"] = scatter_set(flat(pool["positions"]), at, pos)
+    return {n: x.reshape(pool[n].shape) for n, x in out.items()}
+
+
+def make_paged_attention(state: dict, rows: PagedRows, *, config, backend: str, kv_dtype: str):
+    """The per-layer callable the model calls on the flattened step: rotate q and k at their
+    positions, write k and v into the pool `state["pool"]` (replaced by the updated pool), attend
+    through the rows' page tables. `state` carries the pool from layer to layer."""
+    kernels = ops(backend)
+    kh = config.num_kv_heads
+    inv_freq = jnp.asarray(config.inv_freq())
+
+    def attention(layer, q, k, v, positions, cache):
+        q = rope(q, positions[:, :, None], inv_freq)[0]  # [T, N, H]
+        k = rope(k, positions[:, :, None], inv_freq)[0]  # [T, K, H]
+        pool = state["pool"]
+        at = token_pages(pool, rows, layer, kh)
+        pool = state["pool"] = write_tokens(pool, at, k, v[0], positions[0], kv_dtype)
+        table, lengths, gaps = head_layout(pool, rows, layer, kh)
+        out = kernels.ragged_attention(
+            q, pool["k"], pool["v"], table, lengths, rows.q_start, rows.q_len, positions[0],
+            pool["positions"], rows.num_decode, rows.num_rows, gaps=gaps,
+            k_scale=pool.get("k_scale"), v_scale=pool.get("v_scale"),
+            sliding_window=config.sliding_window,
+        )  # fmt: skip
+        return out[None], cache
+
+    attention.rotates_qk = True
+    return attention

@@ -1,0 +1,96 @@
+"""The engine's one step over the pool in place: every scheduled row that needs no policy of its
+own this step (the full cache, and compressed prompts once their policy has compressed them),
+decoding or prefilling, as ONE flattened batch of tokens through THE model (`jkv.core.step.
+flat_step`), whose layers write the new K and V into their pages and attend through each row's
+page table (`jkv.core.paged`). The pool is donated: the step updates it in place.
+
+What stays on the gathering path (`runner.paged_step`, a dense copy of each row): a prompt
+whose KV policy has not compressed it yet (the policy's window votes and selection read a dense
+state) and the rings of evicting policies (StreamingLLM's rotation on read, H2O's mass), whose
+rules are written over dense states.
+
+Compiled shapes: rows and tokens padded to powers of two (`bucket`); the row tables have their
+fixed width, so a step's shape never depends on how long its rows are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jkv.core.paged import PagedRows, make_paged_attention
+from jkv.core.sampling import SamplingArrays, sample
+from jkv.core.step import flat_step
+from jkv.engine.runner import PagedKV, RowTables, bucket
+from jkv_models.config import ModelConfig
+
+
+@functools.partial(
+    jax.jit, static_argnames=("config", "backend", "dtype"), donate_argnames=("pool",)
+)
+def ragged_step(
+    weights,
+    config: ModelConfig,
+    pool: PagedKV,
+    rows: PagedRows,
+    tokens,
+    positions,
+    sampling: SamplingArrays,
+    sample_index,
+    *,
+    backend: str,
+    dtype: str,
+):
+    """One step over the flattened tokens `[T]` (text positions `[T]`) of `rows`. Returns
+    (`[R]` int32 each row's token sampled at its last one, the updated pool)."""
+    scales = ("k_scale", "v_scale") if pool.k_scale is not None else ()
+    names = ("k", "v", "positions", "block_pages", *scales)
+    state = {"pool": {n: getattr(pool, n) for n in names}}
+    attend = make_paged_attention(state, rows, config=config, backend=backend, kv_dtype=dtype)
+    last = rows.q_start + jnp.maximum(rows.q_len - 1, 0)  # [R]
+    logits = flat_step(weights, config, tokens, positions, attend, last)  # [R, V]
+    tok = sample(logits, sampling, sample_index)
+    new = state["pool"]
+    return tok, dataclasses.replace(pool, **{n: new[n] for n in names if n != "block_pages"})
+
+
+def order(scheduled):
+    """Decode rows first, longest first (the XLA path takes them in tiles of similar lengths),
+    then prefill chunks."""
+    return sorted(scheduled, key=lambda r: (r.n != 1, -r.seq.num_computed if r.n == 1 else 0))
+
+
+def pack_ragged(scheduled, row_tables: RowTables, group: int, page: int):
+    """Host arrays for `ragged_step` from rows in `order`: (`PagedRows`, tokens `[T]`,
+    positions `[T]`), rows and tokens padded to powers of two."""
+    b = bucket(len(scheduled))
+    t = bucket(sum(r.n for r in scheduled))
+    slots = [row_tables.sync(r.seq) for r in scheduled]
+    tables = np.zeros((b, row_tables.width), np.int32)
+    tables[: len(slots)] = row_tables.table[slots]
+    base = np.zeros((b, group), np.int32)
+    n_prefix, held = np.zeros(b, np.int32), np.zeros(b, np.int32)
+    q_start, q_len = np.zeros(b, np.int32), np.zeros(b, np.int32)
+    tok_row, tok_slot = np.full(t, b, np.int32), np.zeros(t, np.int32)
+    tokens, positions = np.zeros(t, np.int32), np.zeros(t, np.int32)
+    at = 0
+    for i, r in enumerate(scheduled):
+        seq, n = r.seq, r.n
+        first = seq.n_prefix * page + seq.tail  # the first new token's tail slot
+        if seq.compressed:
+            base[i], n_prefix[i] = seq.base, seq.n_prefix
+        held[i] = seq.tail + n
+        q_start[i], q_len[i] = at, n
+        tokens[at : at + n] = seq.token_slice(r.start, n)
+        positions[at : at + n] = np.arange(r.start, r.start + n)
+        tok_row[at : at + n] = i
+        tok_slot[at : at + n] = np.arange(first, first + n)
+        at += n
+    num_decode = sum(1 for r in scheduled if r.n == 1)
+    rows = PagedRows(tables, base, n_prefix, held, q_start, q_len, tok_row, tok_slot,
+                     np.int32(num_decode), np.int32(len(scheduled)))  # fmt: skip
+    return rows, tokens, positions
