@@ -80,6 +80,33 @@ def bad(param: str | None, message: str, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 
 
+def http_error(status: int, method: str, path: str, detail) -> APIError:
+    """What the web framework refuses before a handler runs (404 no such path, 405 method)."""
+    if status == 404:
+        message = f"Invalid URL ({method} {path}): no such endpoint"
+    elif status == 405:
+        message = f"{method} is not allowed on {path}"
+    else:
+        message = str(detail)
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    return APIError(status, message, type=kind)
+
+
+def internal_error(err: BaseException) -> APIError:
+    """A bug's 500: its type, never its traceback (that goes to the log)."""
+    return APIError(500, f"internal error: {type(err).__name__}", type="server_error")
+
+
+def engine_error(err: BaseException) -> APIError:
+    """A failed engine step (500): the request is not answered; retrying may succeed."""
+    return APIError(
+        500,
+        f"the engine failed while generating ({type(err).__name__}); retry the request",
+        type="server_error",
+        code="engine_error",
+    )
+
+
 @dataclasses.dataclass
 class ParsedRequest:
     kind: str  # "completion" | "chat"

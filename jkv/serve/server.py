@@ -96,8 +96,10 @@ class Server:
 
     def _build(self):
         from fastapi import FastAPI, Request
+        from fastapi.exceptions import RequestValidationError
         from fastapi.responses import JSONResponse, Response
         from prometheus_client import CONTENT_TYPE_LATEST
+        from starlette.exceptions import HTTPException as StarletteHTTPException
 
         @contextlib.asynccontextmanager
         async def lifespan(app):
@@ -115,14 +117,32 @@ class Server:
         async def api_error(request, err: oa.APIError):
             return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(request, err: StarletteHTTPException):  # 404, 405, ...
+            error = oa.http_error(err.status_code, request.method, request.url.path, err.detail)
+            return JSONResponse(error.body(), status_code=err.status_code, headers=err.headers)
+
+        @app.exception_handler(RequestValidationError)
+        async def invalid(request, err: RequestValidationError):  # 422
+            first = (err.errors() or [{}])[0]
+            where = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
+            error = oa.APIError(422, f"{where}: {first.get('msg', 'invalid')}", param=where)
+            return JSONResponse(error.body(), status_code=422)
+
         @app.exception_handler(Exception)
         async def unexpected(request, err: Exception):
             LOG.exception("unexpected error serving %s", request.url.path)
-            body = oa.APIError(500, f"internal error: {type(err).__name__}", type="server_error")
-            return JSONResponse(body.body(), status_code=500)
+            return JSONResponse(oa.internal_error(err).body(), status_code=500)
 
         @app.get("/health")
         async def health():
+            if not getattr(self.engine, "healthy", True):
+                raise oa.APIError(
+                    503,
+                    "the engine is not healthy (a step failed and it has not recovered)",
+                    type="server_error",
+                    code="engine_unhealthy",
+                )
             return {"status": "ok"}
 
         @app.get("/v1/models")
@@ -189,9 +209,17 @@ class Server:
                 return self._cached(req, rid, rec, hit, span)
             self._admit(len(ids))
             return await self._generate(req, rid, rec, ids, settings, jreq, span, request)
-        except BaseException as err:
+        except Exception as err:  # an answer in OpenAI's error JSON, the connection kept
+            if not isinstance(err, oa.APIError):
+                LOG.exception("request %s failed", rid)
+                err = oa.internal_error(err)
             if not rec.reported:
-                rec.error = str(err.status) if isinstance(err, oa.APIError) else type(err).__name__
+                rec.error = str(err.status)
+                self._report(rec, span)
+            raise err from None
+        except BaseException as err:  # cancelled: the server is stopping
+            if not rec.reported:
+                rec.error = type(err).__name__
                 self._report(rec, span)
             raise
 
@@ -348,19 +376,30 @@ class Server:
         except ValueError as e:  # what the engine refuses (a policy it does not serve, ...)
             close("400")
             raise oa.bad(_param(str(e)), str(e)) from None
+        except Exception as e:  # a failed engine step: 500, nothing cached
+            close("500")
+            LOG.exception("the engine failed serving %s", rid)
+            raise oa.engine_error(e) from None
         except BaseException as e:
             close(type(e).__name__)
             raise
         take(first)
 
         async def events():
-            done = False
+            done = failed = False
             try:
                 yield oa.sse(oa.chunk(req, rid, first.text, first.finish_reason, first=True))
-                async for out in outputs:  # ends after the finished one (none if first was)
-                    take(out)
-                    if out.text or out.finished:
-                        yield oa.sse(oa.chunk(req, rid, out.text, out.finish_reason))
+                try:
+                    async for out in outputs:  # ends after the finished one (none if first was)
+                        take(out)
+                        if out.text or out.finished:
+                            yield oa.sse(oa.chunk(req, rid, out.text, out.finish_reason))
+                except Exception as e:  # a failed engine step: an error event, then [DONE]
+                    LOG.exception("the engine failed serving %s", rid)
+                    failed = True
+                    yield oa.sse(oa.engine_error(e).body())
+                    yield oa.sse("[DONE]")
+                    return
                 use = finish()
                 if req.include_usage:
                     yield oa.sse({**oa.chunk(req, rid, None, None), "choices": [], "usage": use})
@@ -368,9 +407,9 @@ class Server:
                 done = True
             finally:
                 await outputs.aclose()  # an early exit aborts the request: its pages go back
-                if not done:
+                if not done and not failed:
                     self.obs.aborted.inc()
-                close(None if done else "client_disconnected")
+                close(None if done else "500" if failed else "client_disconnected")
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
