@@ -22,6 +22,8 @@ import secrets
 import time
 from typing import Any
 
+from jkv.serve import unsupported
+
 # Chat models without a template in their tokenizer config get this one: the bos token, then
 # each message on its own line as "role: content", then "assistant:" for the model to continue.
 # A rendered chat is tokenised without adding special tokens (the template places them, as in
@@ -31,21 +33,14 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 ROLES = ("system", "developer", "user", "assistant", "tool")
-# Fields OpenAI defines that jkv does not implement: refused unless at their neutral value.
-UNSUPPORTED = {
-    "n": 1,
-    "best_of": 1,
-    "echo": False,
-    "logprobs": None,
-    "top_logprobs": None,
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "logit_bias": None,
-    "suffix": None,
-    "tools": None,
-    "response_format": None,
-}
 SEED_RANGE = (0, 2**31 - 1)
+# jkv's own settings in the body: their JSON types (their values are checked by
+# `jkv.request.Request.build`, as for `jkv.generate`)
+JKV_FIELDS = (
+    ("kv_policy", (str, dict), 'a policy name or an object such as {"name": "snapkv", ...}'),
+    ("kv_budget", (int, float), "a token count or a ratio"),
+    ("logit_keep_ratio", (int, float), "a number"),
+)
 
 
 class APIError(Exception):
@@ -210,19 +205,24 @@ def _messages(body) -> list[dict]:
             raise bad(f"{where}.role", f"{where}.role={role!r}: expected one of {ROLES}")
         if isinstance(content, list):  # content parts: text only
             texts = []
-            for part in content:
+            for j, part in enumerate(content):
+                at = f"{where}.content[{j}]"
                 if not isinstance(part, dict) or part.get("type") != "text":
+                    raise bad(at, f"{at} holds {part!r:.60}; jkv reads text parts only")
+                if not isinstance(part.get("text"), str):
                     raise bad(
-                        f"{where}.content",
-                        f"{where}.content holds {part!r:.60}; jkv reads text parts only",
+                        f"{at}.text", f"{at}.text={part.get('text')!r:.60}: expected a string"
                     )
-                texts.append(str(part.get("text", "")))
+                texts.append(part["text"])
             content = "".join(texts)
         if content is None:
             content = ""
         if not isinstance(content, str):
             raise bad(f"{where}.content", f"{where}.content={content!r:.60}: expected a string")
-        out.append({"role": role, "content": content})
+        name = m.get("name")
+        if name is not None and not isinstance(name, str):
+            raise bad(f"{where}.name", f"{where}.name={name!r:.60}: expected a string")
+        out.append({"role": role, "content": content} | ({"name": name} if name else {}))
     return out
 
 
@@ -250,10 +250,7 @@ def parse(kind: str, body: dict, *, chat_template=None, special=None) -> ParsedR
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("model", f"model={model!r}: expected the served model's name (GET /v1/models)")
-    for name, neutral in UNSUPPORTED.items():
-        value = body.get(name)
-        if value is not None and value != neutral and not (name == "logit_bias" and not value):
-            raise bad(name, f"{name}={value!r:.60} is not supported by jkv (only {neutral!r})")
+    unsupported.check(body, bad)
     if kind == "chat":
         prompt = render_chat(_messages(body), chat_template, special or {})
         max_tokens = _int(body, "max_completion_tokens", 1)
@@ -276,9 +273,14 @@ def parse(kind: str, body: dict, *, chat_template=None, special=None) -> ParsedR
     stream = body.get("stream", False)
     if not isinstance(stream, bool | None):
         raise bad("stream", f"stream={stream!r}: expected true or false")
-    options = body.get("stream_options") or {}
+    options = body.get("stream_options")
+    options = {} if options is None else options
     if not isinstance(options, dict):
-        raise bad("stream_options", f"stream_options={options!r}: expected an object")
+        raise bad("stream_options", f"stream_options={options!r:.60}: expected an object")
+    for name in ("include_usage", "include_obfuscation"):  # jkv never obfuscates: no padding
+        if options.get(name) is not None and not isinstance(options[name], bool):
+            where = f"stream_options.{name}"
+            raise bad(where, f"{where}={options[name]!r:.60}: expected true or false")
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise bad("cache_salt", f"cache_salt={salt!r}: expected a non-empty string")
@@ -291,9 +293,13 @@ def parse(kind: str, body: dict, *, chat_template=None, special=None) -> ParsedR
         seed=seed if seed is not None else (0 if greedy else secrets.randbelow(SEED_RANGE[1])),
         stop=_stop(body),
     )
-    for name in ("kv_policy", "kv_budget", "logit_keep_ratio"):
-        if body.get(name) is not None:
-            settings[name] = body[name]
+    for name, kinds, spelled in JKV_FIELDS:
+        value = body.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            raise bad(name, f"{name}={value!r:.60}: expected {spelled}")
+        settings[name] = value
     return ParsedRequest(
         kind=kind,
         model=model,

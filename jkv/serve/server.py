@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -246,11 +247,14 @@ class Server:
                 f"max_queued_tokens={self.max_queued_tokens}",
             )
         max_tokens = req.max_tokens if req.max_tokens is not None else context - len(ids) + 1
-        settings = {**self.defaults, **req.settings, "max_new_tokens": max_tokens}
+        defaults = self.defaults
+        if "kv_policy" in req.settings:  # the server's budget belongs to the server's policy
+            defaults = {k: v for k, v in defaults.items() if k != "kv_budget"}
+        settings = {**defaults, **req.settings, "max_new_tokens": max_tokens}
         try:
             jreq = Settings.build(self.params, **settings)
         except ValueError as e:
-            raise oa.bad(_param(str(e)), str(e)) from None
+            raise oa.bad(_param(str(e), req.settings), str(e)) from None
         if len(ids) + max_tokens - 1 > context:
             raise oa.bad(
                 "max_tokens",
@@ -375,7 +379,7 @@ class Server:
             return Response(status_code=499)
         except ValueError as e:  # what the engine refuses (a policy it does not serve, ...)
             close("400")
-            raise oa.bad(_param(str(e)), str(e)) from None
+            raise oa.bad(_param(str(e), req.settings), str(e)) from None
         except Exception as e:  # a failed engine step: 500, nothing cached
             close("500")
             LOG.exception("the engine failed serving %s", rid)
@@ -454,10 +458,17 @@ async def _unless_gone(request, awaitable):
     return work.result()
 
 
-def _param(message: str) -> str | None:
-    """The setting a jkv error message names first ("top_p=2: ..." -> "top_p")."""
-    head = message.split("=", 1)[0]
-    return head if head.isidentifier() else None
+def _param(message: str, given: dict) -> str | None:
+    """The body field a jkv error message is about: the setting it names first ("top_p=2: ..."
+    -> "top_p"); a KV policy's own fields are the request's `kv_policy`, its budget
+    `kv_budget` when the request gave one."""
+    found = re.match(r"([A-Za-z_][\w.]*)\s*[=:]", message)
+    head = found.group(1) if found else None
+    if head is None or head in given or head.startswith("kv_policy"):
+        return head
+    if head == "budget" and "kv_budget" in given:
+        return "kv_budget"
+    return "kv_policy" if "kv_policy" in given else head
 
 
 def _special_tokens(params) -> dict:
