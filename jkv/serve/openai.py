@@ -293,13 +293,7 @@ def parse(kind: str, body: dict, *, chat_template=None, special=None) -> ParsedR
         seed=seed if seed is not None else (0 if greedy else secrets.randbelow(SEED_RANGE[1])),
         stop=_stop(body),
     )
-    for name, kinds, spelled in JKV_FIELDS:
-        value = body.get(name)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, kinds):
-            raise bad(name, f"{name}={value!r:.60}: expected {spelled}")
-        settings[name] = value
+    settings.update(jkv_settings(body))
     return ParsedRequest(
         kind=kind,
         model=model,
@@ -311,6 +305,20 @@ def parse(kind: str, body: dict, *, chat_template=None, special=None) -> ParsedR
         cache_salt=salt,
         seeded=greedy or seed is not None,
     )
+
+
+def jkv_settings(body: dict) -> dict:
+    """jkv's own settings of a body (`kv_policy`, `kv_budget`, `logit_keep_ratio`), their JSON
+    types checked; `jkv serve`'s flags of the same names go through here too."""
+    out = {}
+    for name, kinds, spelled in JKV_FIELDS:
+        value = body.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            raise bad(name, f"{name}={value!r:.60}: expected {spelled}")
+        out[name] = value
+    return out
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached: int, cache: str | None) -> dict:

@@ -85,7 +85,7 @@ class Server:
         self.max_queued_requests, self.max_queued_tokens = max_queued_requests, max_queued_tokens
         self.chat_template = chat_template
         self.special = {**_special_tokens(params), **(special_tokens or {})}
-        self.defaults = defaults or {}
+        self.defaults = _checked_defaults(params, defaults or {})
         self.obs = Observability(engine, self.name, span_exporter=span_exporter)
         self.queued_requests = 0
         self.queued_tokens = 0
@@ -469,6 +469,16 @@ def _param(message: str, given: dict) -> str | None:
     if head == "budget" and "kv_budget" in given:
         return "kv_budget"
     return "kv_policy" if "kv_policy" in given else head
+
+
+def _checked_defaults(params, defaults: dict) -> dict:
+    """The server's defaults, checked as a request's body fields are (types, then values)."""
+    try:
+        typed = oa.jkv_settings(defaults)
+    except oa.APIError as e:
+        raise ValueError(e.message) from None
+    Settings.build(params, **{**defaults, **typed})  # raises ValueError naming the setting
+    return dict(defaults)
 
 
 def _special_tokens(params) -> dict:
