@@ -14,6 +14,7 @@ import jkv
 from jkv.checkpoints import DEMO_DIR
 from jkv.compile_time import use_compile_cache
 from jkv.request import resolve_policy
+from jkv.serve.body import MAX_BODY_BYTES
 from jkv.serve.metrics import JsonFormatter
 from jkv.serve.server import Server, chat_template_of
 
@@ -61,6 +62,11 @@ def add_subcommand(sub) -> None:
                    help="requests waiting for their first token; past it, 503")  # fmt: skip
     s.add_argument("--max-queued-tokens", type=int, default=262144,
                    help="their prompt tokens; past it, 503")  # fmt: skip
+    s.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
+                   help="larger request bodies get 413, unread")  # fmt: skip
+    s.add_argument("--max-prompt-chars", type=int, default=None,
+                   help="longer prompts get 400 before they are tokenised (default: 32 per "
+                   "token of the context)")  # fmt: skip
     s.add_argument("--warmup", action="store_true", help="compile every step shape first")
     s.add_argument("--shutdown-timeout", type=_seconds, default=30.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish")  # fmt: skip
@@ -177,6 +183,8 @@ def run(args: argparse.Namespace) -> int:
             chat_template=template,
             special_tokens=special,
             defaults=defaults,
+            max_body_bytes=args.max_body_bytes,
+            max_prompt_chars=args.max_prompt_chars,
         )
         if args.warmup:
             seconds = engine.warmup(kv_policies=[policy] if policy is not None else ())

@@ -120,17 +120,6 @@ class ParsedRequest:
         return "chat" if self.kind == "chat" else "text_completion"
 
 
-def loads(raw: bytes) -> dict:
-    """The body as a JSON object, or 400."""
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise bad(None, f"the body is not valid JSON ({e}); expected a JSON object") from None
-    if not isinstance(body, dict):
-        raise bad(None, f"the body is a JSON {type(body).__name__}; expected a JSON object")
-    return body
-
-
 def _number(body, name, low, high, *, low_open=False):
     value = body.get(name)
     if value is None:
@@ -191,6 +180,16 @@ def _prompt(body):
     raise bad("prompt", f"prompt={prompt!r:.80}: expected a string or a list of token ids")
 
 
+def _check_length(param: str, n: int, max_chars: int | None) -> None:
+    if max_chars is not None and n > max_chars:
+        raise bad(
+            param,
+            f"the prompt is {n:,} characters (or token ids); this server reads at most "
+            f"{max_chars:,}, more than its context can hold",
+            code="context_length_exceeded",
+        )
+
+
 def _messages(body) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -245,19 +244,27 @@ def render_chat(messages: list[dict], template: str | None, special: dict[str, s
         raise bad("messages", f"the chat template refused these messages: {e}") from None
 
 
-def parse(kind: str, body: dict, *, chat_template=None, special=None) -> ParsedRequest:
-    """A completions (`kind="completion"`) or chat body -> `ParsedRequest`, or APIError."""
+def parse(
+    kind: str, body: dict, *, chat_template=None, special=None, max_chars: int | None = None
+) -> ParsedRequest:
+    """A completions (`kind="completion"`) or chat body -> `ParsedRequest`, or APIError.
+
+    A prompt longer than `max_chars` (characters of text, all messages' together, or token
+    ids) is refused before it is templated."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("model", f"model={model!r}: expected the served model's name (GET /v1/models)")
     unsupported.check(body, bad)
     if kind == "chat":
-        prompt = render_chat(_messages(body), chat_template, special or {})
+        messages = _messages(body)
+        _check_length("messages", sum(len(m["content"]) for m in messages), max_chars)
+        prompt = render_chat(messages, chat_template, special or {})
         max_tokens = _int(body, "max_completion_tokens", 1)
         if max_tokens is None:
             max_tokens = _int(body, "max_tokens", 1)
     else:
         prompt = _prompt(body)
+        _check_length("prompt", len(prompt), max_chars)
         max_tokens = _int(body, "max_tokens", 1)
         max_tokens = 16 if max_tokens is None else max_tokens
     temperature = _number(body, "temperature", 0, 2)

@@ -35,11 +35,14 @@ from pathlib import Path
 from jkv.prompt import prompt_ids
 from jkv.request import Request as Settings
 from jkv.response_cache import front
+from jkv.serve import body
 from jkv.serve import openai as oa
 from jkv.serve.metrics import Observability, RequestRecord
 
 LOG = logging.getLogger("jkv.serve")
 RETRY_AFTER_S = 1  # what a 503 asks the client to wait
+CHARS_PER_TOKEN = 32  # a prompt longer than this per token of the context cannot fit in it
+REJECTED = {413: "too_large", 415: "unsupported_media_type"}  # status -> the metric's reason
 
 
 class ClientGone(Exception):
@@ -54,6 +57,9 @@ class Server:
         engine: the `jkv.Engine` serving it.
         model_name: the name clients send as `model` (default: `params.name`).
         response_cache: a `jkv.ResponseCache` answering deterministic requests first, or None.
+        max_body_bytes: larger request bodies get 413, unread.
+        max_prompt_chars: longer prompts (text, or all messages' text) get 400 before they are
+            templated or tokenised (default: 32 per token of the engine's max_model_len).
         max_queued_requests / max_queued_tokens: admitted requests (and their prompt tokens)
             that have not had their first token yet; past either, 503 with Retry-After.
         chat_template: Jinja chat template (default: `openai.DEFAULT_CHAT_TEMPLATE`).
@@ -74,6 +80,8 @@ class Server:
         chat_template: str | None = None,
         special_tokens: dict | None = None,
         defaults: dict | None = None,
+        max_body_bytes: int = body.MAX_BODY_BYTES,
+        max_prompt_chars: int | None = None,
         span_exporter=None,
     ):
         for name, value in (("max_queued_requests", max_queued_requests),
@@ -81,6 +89,10 @@ class Server:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: expected an integer >= 1")
         self.params, self.engine, self.cache = params, engine, response_cache
+        self.max_body_bytes = body.check_limit("max_body_bytes", max_body_bytes)
+        if max_prompt_chars is None:
+            max_prompt_chars = CHARS_PER_TOKEN * engine.max_model_len
+        self.max_prompt_chars = body.check_limit("max_prompt_chars", max_prompt_chars)
         self.name = model_name or params.name
         self.max_queued_requests, self.max_queued_tokens = max_queued_requests, max_queued_tokens
         self.chat_template = chat_template
@@ -181,22 +193,11 @@ class Server:
     async def _serve(self, kind: str, request):
         arrival = time.monotonic()
         try:
-            req = oa.parse(
-                kind,
-                oa.loads(await request.body()),
-                chat_template=self.chat_template,
-                special=self.special,
-            )
-            if req.model != self.name:
-                raise oa.APIError(
-                    400,
-                    f"model={req.model!r} is not served here; this server serves {self.name!r}",
-                    param="model",
-                    code="model_not_found",
-                )
-            ids, settings, jreq = self._settings(req)
-        except oa.APIError:
-            self.obs.reject("invalid_request")
+            raw = await body.read(request, self.max_body_bytes)  # moves bytes only
+            # JSON, templating and tokenisation in a worker: the loop never waits on them
+            req, ids, settings, jreq = await asyncio.to_thread(self._prepare, kind, raw)
+        except oa.APIError as err:
+            self.obs.reject(REJECTED.get(err.status, "invalid_request"))
             raise
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         rec = RequestRecord(rid, req.operation, arrival, tenant=req.cache_salt)
@@ -223,6 +224,24 @@ class Server:
                 rec.error = type(err).__name__
                 self._report(rec, span)
             raise
+
+    def _prepare(self, kind: str, raw: bytes):
+        """A body -> (its request, the prompt's ids, the settings, their validated form)."""
+        req = oa.parse(
+            kind,
+            body.loads(raw),
+            chat_template=self.chat_template,
+            special=self.special,
+            max_chars=self.max_prompt_chars,
+        )
+        if req.model != self.name:
+            raise oa.APIError(
+                400,
+                f"model={req.model!r} is not served here; this server serves {self.name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        return req, *self._settings(req)
 
     def _settings(self, req: oa.ParsedRequest):
         """The prompt's ids, `jkv.generate`'s settings and their validated form, or 400."""
@@ -348,9 +367,10 @@ class Server:
             if out.finished:
                 rec.finish_reason = out.finish_reason
 
-        def finish() -> dict:
+        async def finish() -> dict:
             rec.finished = time.monotonic()
-            self._fill(req, jreq, ids, "".join(text), tokens, rec.finish_reason)
+            fill = (req, jreq, ids, "".join(text), tokens, rec.finish_reason)
+            await asyncio.to_thread(self._fill, *fill)  # Redis: never on the loop
             return oa.usage(len(ids), len(tokens), rec.cached_tokens, None)
 
         def close(error: str | None = None) -> None:
@@ -368,7 +388,7 @@ class Server:
                         take(out)
 
                 await _unless_gone(request, collect())
-                use = finish()
+                use = await finish()
                 close()
                 body = oa.response(req, rid, "".join(text), rec.finish_reason, use)
                 return JSONResponse(body, headers=headers)
@@ -404,7 +424,7 @@ class Server:
                     yield oa.sse(oa.engine_error(e).body())
                     yield oa.sse("[DONE]")
                     return
-                use = finish()
+                use = await finish()
                 if req.include_usage:
                     yield oa.sse({**oa.chunk(req, rid, None, None), "choices": [], "usage": use})
                 yield oa.sse("[DONE]")
