@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 
@@ -14,6 +15,7 @@ import jkv
 from jkv.checkpoints import DEMO_DIR
 from jkv.compile_time import use_compile_cache
 from jkv.request import resolve_policy
+from jkv.serve import auth
 from jkv.serve.body import MAX_BODY_BYTES
 from jkv.serve.metrics import JsonFormatter
 from jkv.serve.server import Server, chat_template_of
@@ -62,6 +64,14 @@ def add_subcommand(sub) -> None:
                    help="requests waiting for their first token; past it, 503")  # fmt: skip
     s.add_argument("--max-queued-tokens", type=int, default=262144,
                    help="their prompt tokens; past it, 503")  # fmt: skip
+    s.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help=f"a key clients must send as 'Authorization: Bearer KEY' (repeatable; "
+                   f"each its own tenant; also ${auth.ENV})")  # fmt: skip
+    s.add_argument("--api-keys-file", default=None, metavar="FILE",
+                   help="keys and their tenants, one 'KEY TENANT' per line: a tenant's "
+                   "requests share its response and prefix caches, no one else's")  # fmt: skip
+    s.add_argument("--protect-health-metrics", action="store_true",
+                   help="/health and /metrics need a key too (default: open)")  # fmt: skip
     s.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
                    help="larger request bodies get 413, unread")  # fmt: skip
     s.add_argument("--max-prompt-chars", type=int, default=None,
@@ -140,19 +150,37 @@ def run(args: argparse.Namespace) -> int:
             f"jkv serve needs the serve extra ({e}): pip install 'jkv[serve]'"
         ) from None
 
+    root = logging.getLogger("jkv")
+    saved = root.handlers[:], root.level, root.propagate
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter())
-    root = logging.getLogger("jkv")
     root.handlers[:] = [handler]
     root.setLevel(args.log_level.upper())
     root.propagate = False
+    try:
+        return _run(args)
+    finally:  # as it was: `jkv.cli.main` may run in a process that goes on
+        root.handlers[:], root.propagate = saved[0], saved[2]
+        root.setLevel(saved[1])
 
+
+def _run(args: argparse.Namespace) -> int:
     defaults = {
         name: value
         for name, value in (("kv_policy", args.kv_policy), ("kv_budget", args.kv_budget))
         if value is not None
     }
     policy = resolve_policy(args.kv_policy, args.kv_budget)  # before the model loads
+    keys = auth.load(args.api_key, args.api_keys_file, os.environ)
+    log = logging.getLogger("jkv.serve")
+    if keys is None:
+        log.warning(
+            "no API key: every client may call this server and all share one tenant (one "
+            "response cache, one prefix cache); give --api-key or --api-keys-file before "
+            "exposing it beyond this machine"
+        )
+    else:
+        log.info("%d API keys, %d tenants", len(keys), len(keys.tenants))
     use_compile_cache()
     params = jkv.load(args.model)
     if args.served_model_name:
@@ -185,10 +213,12 @@ def run(args: argparse.Namespace) -> int:
             defaults=defaults,
             max_body_bytes=args.max_body_bytes,
             max_prompt_chars=args.max_prompt_chars,
+            api_keys=keys,
+            protect_health_metrics=args.protect_health_metrics,
         )
         if args.warmup:
             seconds = engine.warmup(kv_policies=[policy] if policy is not None else ())
-            logging.getLogger("jkv.serve").info("warmed up in %.1f s", seconds)
+            log.info("warmed up in %.1f s", seconds)
         _serve(server, args)
     finally:
         if cache is not None:

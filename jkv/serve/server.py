@@ -35,7 +35,7 @@ from pathlib import Path
 from jkv.prompt import prompt_ids
 from jkv.request import Request as Settings
 from jkv.response_cache import front
-from jkv.serve import body
+from jkv.serve import auth, body
 from jkv.serve import openai as oa
 from jkv.serve.metrics import Observability, RequestRecord
 
@@ -57,6 +57,10 @@ class Server:
         engine: the `jkv.Engine` serving it.
         model_name: the name clients send as `model` (default: `params.name`).
         response_cache: a `jkv.ResponseCache` answering deterministic requests first, or None.
+        api_keys: `jkv.serve.auth.Keys` or a mapping of API key -> tenant name: requests
+            without one get 401, and each tenant has caches of its own. None: no keys, one
+            tenant (for trusted clients only).
+        protect_health_metrics: /health and /metrics need a key too (else they are open).
         max_body_bytes: larger request bodies get 413, unread.
         max_prompt_chars: longer prompts (text, or all messages' text) get 400 before they are
             templated or tokenised (default: 32 per token of the engine's max_model_len).
@@ -82,6 +86,8 @@ class Server:
         defaults: dict | None = None,
         max_body_bytes: int = body.MAX_BODY_BYTES,
         max_prompt_chars: int | None = None,
+        api_keys=None,
+        protect_health_metrics: bool = False,
         span_exporter=None,
     ):
         for name, value in (("max_queued_requests", max_queued_requests),
@@ -89,6 +95,10 @@ class Server:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: expected an integer >= 1")
         self.params, self.engine, self.cache = params, engine, response_cache
+        if api_keys is not None and not isinstance(api_keys, auth.Keys):
+            api_keys = auth.Keys(api_keys)
+        self.keys = api_keys or None
+        self.protect_health_metrics = bool(protect_health_metrics)
         self.max_body_bytes = body.check_limit("max_body_bytes", max_body_bytes)
         if max_prompt_chars is None:
             max_prompt_chars = CHARS_PER_TOKEN * engine.max_model_len
@@ -148,7 +158,9 @@ class Server:
             return JSONResponse(oa.internal_error(err).body(), status_code=500)
 
         @app.get("/health")
-        async def health():
+        async def health(request: Request):
+            if self.protect_health_metrics:
+                self._tenant(request)
             if not getattr(self.engine, "healthy", True):
                 raise oa.APIError(
                     503,
@@ -159,7 +171,8 @@ class Server:
             return {"status": "ok"}
 
         @app.get("/v1/models")
-        async def models():
+        async def models(request: Request):
+            self._tenant(request)
             return {
                 "object": "list",
                 "data": [
@@ -174,7 +187,9 @@ class Server:
             }
 
         @app.get("/metrics")
-        async def metrics():
+        async def metrics(request: Request):
+            if self.protect_health_metrics:
+                self._tenant(request)
             data = await asyncio.to_thread(self.obs.render)
             return Response(data, media_type=CONTENT_TYPE_LATEST)
 
@@ -190,8 +205,19 @@ class Server:
 
     # -- one request ------------------------------------------------------------------------
 
+    def _tenant(self, request) -> str | None:
+        """The tenant of the request's API key (None without keys), or 401."""
+        if self.keys is None:
+            return None
+        try:
+            return self.keys.tenant(request.headers.get("authorization"))
+        except oa.APIError:
+            self.obs.reject("unauthorized")
+            raise
+
     async def _serve(self, kind: str, request):
         arrival = time.monotonic()
+        tenant = self._tenant(request)  # before the body is read
         try:
             raw = await body.read(request, self.max_body_bytes)  # moves bytes only
             # JSON, templating and tokenisation in a worker: the loop never waits on them
@@ -200,7 +226,8 @@ class Server:
             self.obs.reject(REJECTED.get(err.status, "invalid_request"))
             raise
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        rec = RequestRecord(rid, req.operation, arrival, tenant=req.cache_salt)
+        salt = auth.cache_salt(tenant, req.cache_salt)  # a client's salt narrows its tenant's
+        rec = RequestRecord(rid, req.operation, arrival, tenant=salt, tenant_name=tenant)
         rec.prompt_tokens, rec.max_tokens = len(ids), settings["max_new_tokens"]
         rec.temperature, rec.top_p = jreq.sampling.temperature, req.settings["top_p"]
         rec.seed = jreq.seed if req.seeded else None
@@ -283,15 +310,19 @@ class Server:
             )
         return ids, settings, jreq
 
-    def _cache_settings(self, req, jreq) -> dict:
-        return {**front.request_settings(jreq, self.params), "cache_salt": req.cache_salt}
+    def _cache_settings(self, jreq, salt) -> dict:
+        return {**front.request_settings(jreq, self.params), "cache_salt": salt}
 
     async def _lookup(self, req, jreq, ids, rec):
         if self.cache is None or not req.seeded:
             return None
         t0 = time.monotonic()
         found = await asyncio.to_thread(
-            self.cache.get, self.name, self.params.identity, ids, self._cache_settings(req, jreq)
+            self.cache.get,
+            self.name,
+            self.params.identity,
+            ids,
+            self._cache_settings(jreq, rec.tenant),
         )
         rec.lookup = (t0, time.monotonic())
         self.obs.lookup(None if found is None else found.level)
@@ -350,7 +381,7 @@ class Server:
                 self.queued_requests -= 1
                 self.queued_tokens -= len(ids)
 
-        outputs = self.engine.stream(ids, request_id=rid, cache_salt=req.cache_salt, **settings)
+        outputs = self.engine.stream(ids, request_id=rid, cache_salt=rec.tenant, **settings)
         text: list[str] = []
         tokens: list[int] = []
         self.in_flight += 1
@@ -369,7 +400,7 @@ class Server:
 
         async def finish() -> dict:
             rec.finished = time.monotonic()
-            fill = (req, jreq, ids, "".join(text), tokens, rec.finish_reason)
+            fill = (req, jreq, ids, "".join(text), tokens, rec.finish_reason, rec.tenant)
             await asyncio.to_thread(self._fill, *fill)  # Redis: never on the loop
             return oa.usage(len(ids), len(tokens), rec.cached_tokens, None)
 
@@ -437,13 +468,13 @@ class Server:
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
-    def _fill(self, req, jreq, ids, text, tokens, finish_reason) -> None:
+    def _fill(self, req, jreq, ids, text, tokens, finish_reason, salt) -> None:
         if self.cache is None or not req.seeded or finish_reason not in ("stop", "length"):
             return
         result = {"text": text, "tokens": tokens, "finish_reason": finish_reason}
         try:
             self.cache.put(
-                self.name, self.params.identity, ids, self._cache_settings(req, jreq), result
+                self.name, self.params.identity, ids, self._cache_settings(jreq, salt), result
             )
         except Exception:  # the cache never fails an answer
             LOG.exception("response cache fill failed")

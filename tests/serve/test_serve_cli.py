@@ -22,10 +22,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(*flags: str) -> tuple[subprocess.Popen, str]:
+def start(*flags: str, env=None) -> tuple[subprocess.Popen, str]:
     """`jkv serve demo FLAGS` on a free port, once its /health answers: (process, url)."""
     port = _free_port()
-    env = dict(os.environ)
+    env = {**os.environ, **(env or {})}
     if os.environ.get("JKV_TEST_COMPILE_CACHE_DIR"):  # the test run's compiled programs
         env["JKV_COMPILE_CACHE"] = os.environ["JKV_TEST_COMPILE_CACHE_DIR"]
     proc = subprocess.Popen(
@@ -79,6 +79,8 @@ def test_sigterm_finishes_in_flight_streams_then_exits():
         assert proc.wait(60) == 0
         log = proc.stdout.read()
         lines = [json.loads(x) for x in log.splitlines() if x.startswith("{")]
+        warned = [x for x in lines if x["level"] == "warning" and "no API key" in x["message"]]
+        assert len(warned) == 1, log  # a server without keys says so at start
         done = [x for x in lines if x.get("event") == "request"]
         assert len(done) == 1 and done[0]["completion_tokens"] == 120, log
         try:  # no longer admitting
@@ -133,11 +135,18 @@ def test_bad_flags_exit_2_naming_them(capsys, flags, words):
     assert "Traceback" not in text
 
 
-def test_fp8_and_a_policy_by_its_fields_start_a_server():
+def test_fp8_a_policy_by_its_fields_and_api_keys_start_a_server(tmp_path):
     policy = json.dumps({"name": "snapkv", "window": 16, "kernel": 11, "pool": "max"})
+    keys = tmp_path / "keys"
+    keys.write_text("sk-file alice\n")
     proc, url = start("--kv-dtype", "fp8", "--kv-policy", policy, "--kv-budget", "0.5",
-                      "--num-pages", "256", "--no-response-cache")  # fmt: skip
+                      "--num-pages", "256", "--no-response-cache", "--api-key", "sk-flag",
+                      "--api-keys-file", str(keys), env={"JKV_API_KEY": "sk-env"})  # fmt: skip
     try:
-        assert httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"] == "jkv-demo"
+        assert httpx.get(url + "/v1/models", timeout=10).status_code == 401
+        for key in ("sk-flag", "sk-file", "sk-env"):
+            r = httpx.get(url + "/v1/models", headers={"authorization": f"Bearer {key}"})
+            assert r.json()["data"][0]["id"] == "jkv-demo"
     finally:
-        stop(proc)
+        log = stop(proc)
+    assert "no API key" not in log and "3 API keys, 3 tenants" in log
