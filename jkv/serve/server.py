@@ -35,6 +35,7 @@ from pathlib import Path
 from jkv.prompt import prompt_ids
 from jkv.request import Request as Settings
 from jkv.response_cache import front
+from jkv.response_cache.miss import Lookup
 from jkv.serve import auth, body
 from jkv.serve import openai as oa
 from jkv.serve.metrics import Observability, RequestRecord
@@ -233,11 +234,11 @@ class Server:
         rec.seed = jreq.seed if req.seeded else None
         span = self.obs.start_span(rec, request.headers)
         try:
-            hit = await self._lookup(req, jreq, ids, rec)
-            if hit is not None:
-                return self._cached(req, rid, rec, hit, span)
+            found = await self._lookup(req, jreq, ids, rec)
+            if isinstance(found, Lookup):
+                return self._cached(req, rid, rec, found, span)
             self._admit(len(ids))
-            return await self._generate(req, rid, rec, ids, settings, jreq, span, request)
+            return await self._generate(req, rid, rec, ids, settings, found, span, request)
         except Exception as err:  # an answer in OpenAI's error JSON, the connection kept
             if not isinstance(err, oa.APIError):
                 LOG.exception("request %s failed", rid)
@@ -310,22 +311,17 @@ class Server:
             )
         return ids, settings, jreq
 
-    def _cache_settings(self, jreq, salt) -> dict:
-        return {**front.request_settings(jreq, self.params), "cache_salt": salt}
-
     async def _lookup(self, req, jreq, ids, rec):
+        """The response cache's hit (a `Lookup`), or the `Miss` the answer fills; None when
+        the request is not deterministic or there is no cache. In a worker (Redis)."""
         if self.cache is None or not req.seeded:
             return None
         t0 = time.monotonic()
-        found = await asyncio.to_thread(
-            self.cache.get,
-            self.name,
-            self.params.identity,
-            ids,
-            self._cache_settings(jreq, rec.tenant),
-        )
+        key = front.key(self.params, jreq, salt=rec.tenant)
+        # no flight to join: a request that waited on another would hold a worker thread
+        found = await asyncio.to_thread(front.lookup, self.cache, key, ids, coalesce=False)
         rec.lookup = (t0, time.monotonic())
-        self.obs.lookup(None if found is None else found.level)
+        self.obs.lookup(found.level if isinstance(found, Lookup) else None)
         return found
 
     def _cached(self, req, rid, rec, hit, span):
@@ -370,7 +366,7 @@ class Server:
         self.queued_requests += 1
         self.queued_tokens += tokens
 
-    async def _generate(self, req, rid, rec, ids, settings, jreq, span, request):
+    async def _generate(self, req, rid, rec, ids, settings, miss, span, request):
         from fastapi.responses import JSONResponse, Response, StreamingResponse
 
         queued = [True]
@@ -400,8 +396,13 @@ class Server:
 
         async def finish() -> dict:
             rec.finished = time.monotonic()
-            fill = (req, jreq, ids, "".join(text), tokens, rec.finish_reason, rec.tenant)
-            await asyncio.to_thread(self._fill, *fill)  # Redis: never on the loop
+            if miss is not None and rec.finish_reason in ("stop", "length"):
+                answer = {
+                    "text": "".join(text),
+                    "tokens": tokens,
+                    "finish_reason": rec.finish_reason,
+                }
+                await asyncio.to_thread(self._fill, miss, answer)  # Redis: never on the loop
             return oa.usage(len(ids), len(tokens), rec.cached_tokens, None)
 
         def close(error: str | None = None) -> None:
@@ -468,14 +469,9 @@ class Server:
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
-    def _fill(self, req, jreq, ids, text, tokens, finish_reason, salt) -> None:
-        if self.cache is None or not req.seeded or finish_reason not in ("stop", "length"):
-            return
-        result = {"text": text, "tokens": tokens, "finish_reason": finish_reason}
+    def _fill(self, miss, answer: dict) -> None:
         try:
-            self.cache.put(
-                self.name, self.params.identity, ids, self._cache_settings(jreq, salt), result
-            )
+            miss.fill(answer)
         except Exception:  # the cache never fails an answer
             LOG.exception("response cache fill failed")
 
