@@ -5,6 +5,7 @@ for up to --shutdown-timeout seconds, and exits)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -226,8 +227,24 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+DRAIN_S = 5.0  # after --shutdown-timeout: for requests ended with 503 to say so and close
+
+
 def _serve(server: Server, args: argparse.Namespace) -> None:
     import uvicorn
+
+    class Graceful(uvicorn.Server):
+        """uvicorn's graceful shutdown (no new connections, in-flight requests finish), and at
+        --shutdown-timeout the server ends what still runs with a 503 `server_shutdown` (a
+        stream: an error event, then [DONE]) instead of cutting connections unannounced."""
+
+        async def shutdown(self, sockets=None):
+            loop = asyncio.get_running_loop()
+            timer = loop.call_later(args.shutdown_timeout, server.stop_requests)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
 
     config = uvicorn.Config(
         server.app,
@@ -235,7 +252,7 @@ def _serve(server: Server, args: argparse.Namespace) -> None:
         port=args.port,
         log_level=args.log_level,
         access_log=False,
-        timeout_graceful_shutdown=args.shutdown_timeout,
+        timeout_graceful_shutdown=args.shutdown_timeout + DRAIN_S,
         log_config=None,
     )
     logging.getLogger("jkv.serve").info(
@@ -246,5 +263,5 @@ def _serve(server: Server, args: argparse.Namespace) -> None:
     stopped = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stopped.append(signum))
-    uvicorn.Server(config).run()
+    Graceful(config).run()
     logging.getLogger("jkv.serve").info("stopped (%s)", ", ".join(map(str, stopped)) or "done")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import secrets
 import time
 from typing import Any
@@ -73,6 +74,19 @@ class APIError(Exception):
 
 def bad(param: str | None, message: str, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def param_of(message: str, given: dict) -> str | None:
+    """The body field a jkv error message is about: the setting it names first ("top_p=2: ..."
+    -> "top_p"); a KV policy's own fields are the request's `kv_policy`, its budget
+    `kv_budget` when the request gave one."""
+    found = re.match(r"([A-Za-z_][\w.]*)\s*[=:]", message)
+    head = found.group(1) if found else None
+    if head is None or head in given or head.startswith("kv_policy"):
+        return head
+    if head == "budget" and "kv_budget" in given:
+        return "kv_budget"
+    return "kv_policy" if "kv_policy" in given else head
 
 
 def http_error(status: int, method: str, path: str, detail) -> APIError:

@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import re
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -38,16 +37,13 @@ from jkv.response_cache import front
 from jkv.response_cache.miss import Lookup
 from jkv.serve import auth, body
 from jkv.serve import openai as oa
+from jkv.serve.answer import Answer, stopped
 from jkv.serve.metrics import Observability, RequestRecord
 
 LOG = logging.getLogger("jkv.serve")
 RETRY_AFTER_S = 1  # what a 503 asks the client to wait
 CHARS_PER_TOKEN = 32  # a prompt longer than this per token of the context cannot fit in it
 REJECTED = {413: "too_large", 415: "unsupported_media_type"}  # status -> the metric's reason
-
-
-class ClientGone(Exception):
-    """The client closed the connection before its answer was complete."""
 
 
 class Server:
@@ -110,6 +106,7 @@ class Server:
         self.special = {**_special_tokens(params), **(special_tokens or {})}
         self.defaults = _checked_defaults(params, defaults or {})
         self.obs = Observability(engine, self.name, span_exporter=span_exporter)
+        self.stopping = asyncio.Event()  # set: requests still running end with a 503
         self.queued_requests = 0
         self.queued_tokens = 0
         self.in_flight = 0
@@ -219,6 +216,8 @@ class Server:
     async def _serve(self, kind: str, request):
         arrival = time.monotonic()
         tenant = self._tenant(request)  # before the body is read
+        if self.stopping.is_set():
+            raise stopped()
         try:
             raw = await body.read(request, self.max_body_bytes)  # moves bytes only
             # JSON, templating and tokenisation in a worker: the loop never waits on them
@@ -238,19 +237,19 @@ class Server:
             if isinstance(found, Lookup):
                 return self._cached(req, rid, rec, found, span)
             self._admit(len(ids))
-            return await self._generate(req, rid, rec, ids, settings, found, span, request)
+            return await Answer(self, req, rid, rec, ids, settings, found, span, request).reply()
         except Exception as err:  # an answer in OpenAI's error JSON, the connection kept
             if not isinstance(err, oa.APIError):
                 LOG.exception("request %s failed", rid)
                 err = oa.internal_error(err)
             if not rec.reported:
                 rec.error = str(err.status)
-                self._report(rec, span)
+                self.report(rec, span)
             raise err from None
         except BaseException as err:  # cancelled: the server is stopping
             if not rec.reported:
                 rec.error = type(err).__name__
-                self._report(rec, span)
+                self.report(rec, span)
             raise
 
     def _prepare(self, kind: str, raw: bytes):
@@ -301,7 +300,7 @@ class Server:
         try:
             jreq = Settings.build(self.params, **settings)
         except ValueError as e:
-            raise oa.bad(_param(str(e), req.settings), str(e)) from None
+            raise oa.bad(oa.param_of(str(e), req.settings), str(e)) from None
         if len(ids) + max_tokens - 1 > context:
             raise oa.bad(
                 "max_tokens",
@@ -333,7 +332,7 @@ class Server:
         rec.token(now, len(record.tokens))
         use = oa.usage(rec.prompt_tokens, len(record.tokens), 0, hit.level)
         headers = {"x-jkv-cache": hit.level, "x-request-id": rid}
-        self._report(rec, span)
+        self.report(rec, span)
         if not req.stream:
             body = oa.response(req, rid, record.text, record.finish_reason, use)
             return JSONResponse(body, headers=headers)
@@ -366,156 +365,19 @@ class Server:
         self.queued_requests += 1
         self.queued_tokens += tokens
 
-    async def _generate(self, req, rid, rec, ids, settings, miss, span, request):
-        from fastapi.responses import JSONResponse, Response, StreamingResponse
+    def stop_requests(self) -> int:
+        """Ends every request still running with a `server_shutdown` error (streamed: an
+        error event, then [DONE]) and refuses new ones with 503: what a stopping server does
+        once its grace period is over. Returns how many were running. Call it on the loop."""
+        self.stopping.set()
+        if self.in_flight:
+            LOG.warning("stopping: %d requests still running end with 503", self.in_flight)
+        return self.in_flight
 
-        queued = [True]
-
-        def release():
-            if queued[0]:
-                queued[0] = False
-                self.queued_requests -= 1
-                self.queued_tokens -= len(ids)
-
-        outputs = self.engine.stream(ids, request_id=rid, cache_salt=rec.tenant, **settings)
-        text: list[str] = []
-        tokens: list[int] = []
-        self.in_flight += 1
-
-        def take(out) -> None:
-            release()
-            now = time.monotonic()
-            rec.scheduled = out.scheduled_at if rec.scheduled is None else rec.scheduled
-            rec.cached_tokens = out.cached_tokens
-            rec.pages, rec.preemptions = out.pages or rec.pages, out.preemptions
-            rec.token(now, len(out.new_tokens))
-            tokens.extend(out.new_tokens)
-            text.append(out.text)
-            if out.finished:
-                rec.finish_reason = out.finish_reason
-
-        async def finish() -> dict:
-            rec.finished = time.monotonic()
-            if miss is not None and rec.finish_reason in ("stop", "length"):
-                answer = {
-                    "text": "".join(text),
-                    "tokens": tokens,
-                    "finish_reason": rec.finish_reason,
-                }
-                await asyncio.to_thread(self._fill, miss, answer)  # Redis: never on the loop
-            return oa.usage(len(ids), len(tokens), rec.cached_tokens, None)
-
-        def close(error: str | None = None) -> None:
-            release()
-            self.in_flight -= 1
-            rec.error = error
-            self._report(rec, span)
-
-        headers = {"x-jkv-cache": "miss", "x-request-id": rid}
-        try:
-            if not req.stream:
-
-                async def collect():
-                    async for out in outputs:
-                        take(out)
-
-                await _unless_gone(request, collect())
-                use = await finish()
-                close()
-                body = oa.response(req, rid, "".join(text), rec.finish_reason, use)
-                return JSONResponse(body, headers=headers)
-            first = await _unless_gone(request, outputs.__anext__())
-        except ClientGone:
-            self.obs.aborted.inc()
-            close("client_disconnected")
-            return Response(status_code=499)
-        except ValueError as e:  # what the engine refuses (a policy it does not serve, ...)
-            close("400")
-            raise oa.bad(_param(str(e), req.settings), str(e)) from None
-        except Exception as e:  # a failed engine step: 500, nothing cached
-            close("500")
-            LOG.exception("the engine failed serving %s", rid)
-            raise oa.engine_error(e) from None
-        except BaseException as e:
-            close(type(e).__name__)
-            raise
-        take(first)
-
-        async def events():
-            done = failed = False
-            try:
-                yield oa.sse(oa.chunk(req, rid, first.text, first.finish_reason, first=True))
-                try:
-                    async for out in outputs:  # ends after the finished one (none if first was)
-                        take(out)
-                        if out.text or out.finished:
-                            yield oa.sse(oa.chunk(req, rid, out.text, out.finish_reason))
-                except Exception as e:  # a failed engine step: an error event, then [DONE]
-                    LOG.exception("the engine failed serving %s", rid)
-                    failed = True
-                    yield oa.sse(oa.engine_error(e).body())
-                    yield oa.sse("[DONE]")
-                    return
-                use = await finish()
-                if req.include_usage:
-                    yield oa.sse({**oa.chunk(req, rid, None, None), "choices": [], "usage": use})
-                yield oa.sse("[DONE]")
-                done = True
-            finally:
-                await outputs.aclose()  # an early exit aborts the request: its pages go back
-                if not done and not failed:
-                    self.obs.aborted.inc()
-                close(None if done else "500" if failed else "client_disconnected")
-
-        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
-
-    def _fill(self, miss, answer: dict) -> None:
-        try:
-            miss.fill(answer)
-        except Exception:  # the cache never fails an answer
-            LOG.exception("response cache fill failed")
-
-    def _report(self, rec, span) -> None:
+    def report(self, rec, span) -> None:
+        """A request's metrics, spans and log line (once)."""
         rec.reported = True
         self.obs.done(rec, span)
-
-
-async def _unless_gone(request, awaitable):
-    """`awaitable`'s result, or ClientGone (after cancelling it) if the client disconnects
-    first."""
-    work = asyncio.ensure_future(awaitable)
-
-    async def gone():
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                return
-
-    watch = asyncio.ensure_future(gone())
-    try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not work.done():
-            work.cancel()
-            with contextlib.suppress(BaseException):
-                await work
-            if watch.done():
-                raise ClientGone()
-        watch.cancel()
-    return work.result()
-
-
-def _param(message: str, given: dict) -> str | None:
-    """The body field a jkv error message is about: the setting it names first ("top_p=2: ..."
-    -> "top_p"); a KV policy's own fields are the request's `kv_policy`, its budget
-    `kv_budget` when the request gave one."""
-    found = re.match(r"([A-Za-z_][\w.]*)\s*[=:]", message)
-    head = found.group(1) if found else None
-    if head is None or head in given or head.startswith("kv_policy"):
-        return head
-    if head == "budget" and "kv_budget" in given:
-        return "kv_budget"
-    return "kv_policy" if "kv_policy" in given else head
 
 
 def _checked_defaults(params, defaults: dict) -> dict:

@@ -150,3 +150,58 @@ def test_fp8_a_policy_by_its_fields_and_api_keys_start_a_server(tmp_path):
     finally:
         log = stop(proc)
     assert "no API key" not in log and "3 API keys, 3 tenants" in log
+
+
+def test_requests_still_running_at_the_shutdown_timeout_are_told_so():
+    """A stop whose grace period runs out (an engine compiling new step shapes can take
+    longer than --shutdown-timeout: finding 6 of issue 28) ends each request with a 503
+    `server_shutdown` (a stream: an error event, then [DONE]), never a silent cut."""
+    proc, url = start("--max-running", "1", "--num-pages", "256", "--no-response-cache",
+                      "--shutdown-timeout", "0.3")  # fmt: skip
+    body = {"model": "jkv-demo", "prompt": "The code for Mara is", "max_tokens": 400,
+            "temperature": 0.9, "seed": 1}  # fmt: skip
+    ends: dict[int, object] = {}
+    first = threading.Event()
+
+    def stream(i):
+        events = []
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
+                          timeout=120) as r:  # fmt: skip
+            if r.status_code != 200:
+                ends[i] = (r.status_code, json.loads(r.read())["error"])
+                return
+            for line in r.iter_lines():
+                if line:
+                    events.append(line)
+                    first.set()
+        ends[i] = events
+
+    def whole(i):
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        ends[i] = (r.status_code, r.json().get("error"))
+
+    try:
+        readers = [threading.Thread(target=stream, args=(0,))]
+        readers[0].start()
+        assert first.wait(60), "no first chunk"
+        readers += [threading.Thread(target=f, args=(i,)) for i, f in ((1, stream), (2, whole))]
+        for t in readers[1:]:
+            t.start()
+        time.sleep(0.2)  # both queued behind the first (--max-running 1)
+        proc.send_signal(signal.SIGTERM)
+        for t in readers:
+            t.join(60)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    events = ends[0]
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2][len("data: ") :])["error"]
+    assert (error["type"], error["code"]) == ("server_error", "server_shutdown")
+    for i in (1, 2):  # queued: a 503 that says why (retry elsewhere)
+        status, error = ends[i]
+        assert status == 503 and error["code"] == "server_shutdown", ends[i]
+    log = proc.stdout.read()
+    assert "stopping: 3 requests still running end with 503" in log, log
