@@ -504,7 +504,8 @@ class Engine:
         """Adds a request and yields its `RequestOutput`s as the engine steps, for asyncio
         callers: many streams share the engine's steps, which run in a worker thread so the
         event loop stays free. Leaving the iteration early aborts the request (its pages go
-        back). Takes `add_request`'s arguments; the request is added in a worker thread too
+        back once a running step ends: the abort waits for it in a worker thread, not on the
+        loop). Takes `add_request`'s arguments; the request is added in a worker thread too
         (it waits for a running step)."""
         rid = settings.pop("request_id", None)
         rid = f"stream-{next(self._ids)}" if rid is None else rid
@@ -526,8 +527,11 @@ class Engine:
                 yield out
         finally:
             self._queues.pop(rid, None)
-            if not finished:
-                self.abort(rid)
+            if not finished:  # off the loop: abort waits for a running step's lock
+                try:
+                    asyncio.get_running_loop().run_in_executor(None, self.abort, rid)
+                except RuntimeError:  # no running loop, or its executor is shut down
+                    self.abort(rid)
 
     async def _drive(self) -> None:
         """Steps the engine while streams wait, handing each output to its stream's queue."""

@@ -204,3 +204,41 @@ def test_the_event_loop_never_waits_while_a_large_body_is_refused(running):
     bound = max(5 * median, max(elsewhere), SLICE)
     assert max(during) <= bound, (median, sorted(during)[-5:], max(elsewhere))
     assert set(refused) == {413}, refused
+
+
+def test_a_client_leaving_during_a_long_engine_step_does_not_hold_the_loop(running, monkeypatch):
+    """A step can take seconds (compiling a new shape); a client that leaves meanwhile aborts
+    its request, and that abort must wait for the step off the event loop: /health answers."""
+    import jkv.engine.engine as engine_module
+
+    step = engine_module.paged_step
+    slow = threading.Event()
+
+    def long_step(*args, **kwargs):  # the runner's step, taking 2 s once armed
+        if slow.is_set():
+            slow.clear()
+            time.sleep(2.0)
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "paged_step", long_step)
+    body = {**BODY, "max_tokens": 200, "temperature": 1.0, "seed": 5, "stream": True}
+    with httpx.Client(base_url=running.url, timeout=60) as client:
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            for _ in range(3):
+                next(lines)
+            slow.set()
+            time.sleep(0.2)  # the long step runs
+        # the client left during it
+        latencies = []
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            t0 = time.monotonic()
+            assert client.get("/health").status_code == 200
+            latencies.append(time.monotonic() - t0)
+    assert max(latencies) < 0.5, latencies
+    engine = running.server.engine
+    deadline = time.monotonic() + 30
+    while engine.has_work and time.monotonic() < deadline:  # its pages come back after the step
+        time.sleep(0.05)
+    assert not engine.has_work and running.server.in_flight == 0
