@@ -111,7 +111,7 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
-async def soak(url: str, minutes: float, clients: int, redis, seed: int) -> dict:
+async def soak(url: str, minutes: float, clients: int, redis, seed: int, pid: int) -> dict:
     outcomes: Counter = Counter()
     levels: Counter = Counter()
     end = time.monotonic() + minutes * 60
@@ -144,11 +144,18 @@ async def soak(url: str, minutes: float, clients: int, redis, seed: int) -> dict
                 await asyncio.to_thread(redis.restart)
                 restarts.append(round(time.monotonic() - (end - minutes * 60), 1))
 
-        _, n_bursts, _ = await asyncio.gather(
-            asyncio.gather(*[worker(i) for i in range(clients)]), bursts(), chaos()
+        rss = []  # the server's RSS each minute (compiled step shapes grow it early on)
+
+        async def sample():
+            while time.monotonic() < end:
+                rss.append(round(rss_mb(pid), 1))
+                await asyncio.sleep(min(60.0, max(0.0, end - time.monotonic())))
+
+        _, n_bursts, _, _ = await asyncio.gather(
+            asyncio.gather(*[worker(i) for i in range(clients)]), bursts(), chaos(), sample()
         )
     return {"outcomes": dict(outcomes), "cache_levels": dict(levels), "bursts": n_bursts,
-            "redis_restarts_at_s": restarts}  # fmt: skip
+            "redis_restarts_at_s": restarts, "rss_mb_each_minute": rss}  # fmt: skip
 
 
 class Redis:
@@ -161,7 +168,7 @@ class Redis:
         self.start()
 
     def start(self):
-        self.proc = subprocess.Popen([self.binary, "--port", str(self.port), "--save", "",
+        self.proc = subprocess.Popen([self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                                       "--appendonly", "no"], stdout=subprocess.DEVNULL)  # fmt: skip
         time.sleep(0.5)
 
@@ -218,7 +225,9 @@ def main() -> None:
         base = idle_stats(server.url, next(iter(KEYS)))
         base_rss = rss_mb(server.proc.pid)
         t0 = time.monotonic()
-        result = asyncio.run(soak(server.url, args.minutes, args.clients, redis, args.seed))
+        result = asyncio.run(
+            soak(server.url, args.minutes, args.clients, redis, args.seed, server.proc.pid)
+        )
         seconds = time.monotonic() - t0
         end = idle_stats(server.url, next(iter(KEYS)))
         end_rss = rss_mb(server.proc.pid)
@@ -238,23 +247,25 @@ def main() -> None:
         "4xx": {k: v for k, v in o.items() if "4xx" in k}, "5xx_or_broken": broken,
         "cache_levels": result["cache_levels"],
         "rss_mb": [round(base_rss, 1), round(end_rss, 1), round(end_rss - base_rss, 1)],
+        "rss_mb_each_minute": result["rss_mb_each_minute"],
         "kv_usage": [base["jkv:kv_cache_usage_perc"], end["jkv:kv_cache_usage_perc"]],
         "running_waiting_end": [end["jkv:num_requests_running"], end["jkv:num_requests_waiting"]],
         "exit_code": rc,
     }  # fmt: skip
     print(json.dumps(row, indent=1))
     print()
-    print(
-        "| minutes | requests | ok | left | 503 (bursts) | 5xx / broken | RSS MB start -> end "
-        "(growth) | KV usage start -> end |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
+    minutes_rss = result["rss_mb_each_minute"]
+    half = minutes_rss[len(minutes_rss) // 2] if minutes_rss else float("nan")
+    print("| minutes | requests | ok | left | 503 (bursts) | 5xx / broken | RSS MB start -> end "
+          "(growth) | RSS MB half-time -> end | KV usage start -> end |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     print(
         f"| {row['minutes']} | {served + o.get('burst ok', 0) + o.get('burst 503', 0)} | "
         f"{row['ok'] + row['burst_ok']} | {row['left']} | "
         f"{row['queue_full_503'] + row['burst_503']} ({row['bursts']}) | "
         f"{sum(broken.values())} | {row['rss_mb'][0]} -> {row['rss_mb'][1]} "
-        f"({row['rss_mb'][2]:+}) | {row['kv_usage'][0]:.3f} -> {row['kv_usage'][1]:.3f} |"
+        f"({row['rss_mb'][2]:+}) | {half} -> {row['rss_mb'][1]} | "
+        f"{row['kv_usage'][0]:.3f} -> {row['kv_usage'][1]:.3f} |"
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
