@@ -7,15 +7,18 @@ Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (both with `strea
 server-sent events ending with `data: [DONE]`), `GET /v1/models`, `GET /health`,
 `GET /metrics` (Prometheus).
 
-A request's way: JSON body -> `openai.parse` (400 on anything malformed) -> its prompt's token
-ids -> `jkv.request.Request.build` (400 naming the bad setting) -> the response cache, when the
-request is deterministic (greedy or seeded; the tenant's `cache_salt` is part of the key): a hit
-answers at once, marked by the `x-jkv-cache` header and `usage.jkv_cache` -> admission (503 with
-`Retry-After` past `max_queued_requests` requests or `max_queued_tokens` prompt tokens waiting
-for their first token) -> `Engine.stream` (the engine steps in a worker thread; every request
-shares its steps) -> SSE chunks or one JSON body -> the response cache is filled -> metrics,
-the trace's spans, one JSON log line. A client that leaves (mid-stream or while waiting) aborts
-its request: its pages go back to the pool at once.
+A request's way: its API key -> the tenant (401 without one, when keys are set; `auth.py`) ->
+the body, bounded (413 / 415; `body.py`) -> in a worker thread: JSON (depth-checked), `openai.
+parse` (400 on anything malformed), the prompt's token ids, `jkv.request.Request.build` (400
+naming the bad setting) -> the response cache, when the request is deterministic (greedy or
+seeded), keyed by the tenant and the client's `cache_salt` within it: a hit answers at once,
+marked by the `x-jkv-cache` header and `usage.jkv_cache` -> admission (503 with `Retry-After`
+past `max_queued_requests` requests or `max_queued_tokens` prompt tokens waiting for their
+first token) -> `Engine.stream` (the engine steps in a worker thread; every request shares its
+steps) -> SSE chunks or one JSON body (`answer.py`) -> the response cache is filled (a worker
+thread) -> metrics, the trace's spans, one JSON log line. A client that leaves (mid-stream or
+while waiting) aborts its request: its pages go back to the pool. Every error is OpenAI's
+error JSON.
 
 FastAPI and prometheus-client (the `serve` extra) are imported where they are used, so that
 `import jkv.cli` stays light. (No `from __future__ import annotations` here: FastAPI reads the
