@@ -282,9 +282,12 @@ def cache_record_fields() -> tuple:
 def cache_cases(url: str, prompts: list[str], reps: int, zipf: float) -> tuple[dict, dict, list]:
     seq = zipf_sequence(len(prompts), reps, zipf, seed=1)
     l2_seq = zipf_sequence(len(prompts), max(1000, reps // 4), zipf, seed=2, no_repeat=True)
-    l1_cache = ResponseCache(url, node_id="bench-l1", ttl=3600, l1_max_entries=len(prompts))
-    l2_cache = ResponseCache(url, node_id="bench-l2", ttl=3600, l1_max_entries=1)
-    l2s_cache = ResponseCache(url, node_id="bench-l2s", ttl=3600, l1_max_entries=1)
+    # text keys, whitespace-normalised (the seed's canonical hash: the workload's irregular
+    # whitespace is what normalisation is for)
+    norm = dict(ttl=3600, normalize_whitespace=True)
+    l1_cache = ResponseCache(url, node_id="bench-l1", l1_max_entries=len(prompts), **norm)
+    l2_cache = ResponseCache(url, node_id="bench-l2", l1_max_entries=1, **norm)
+    l2s_cache = ResponseCache(url, node_id="bench-l2s", l1_max_entries=1, **norm)
     keys = fill_redis(url, l1_cache, prompts)
     for p in prompts:  # every entry in L1 too (L2 -> L1 fill, as a warm node would have)
         assert l1_cache.get(MODEL, VERSION, p, SETTINGS).level == "l2"
@@ -296,7 +299,7 @@ def cache_cases(url: str, prompts: list[str], reps: int, zipf: float) -> tuple[d
             assert found.level == "l2" and found.record.text == ANSWER["text"], found.level
     raw = redis.Redis.from_url(url)
     assert msgpack.unpackb(raw.get(keys[0])[1:])[0] == ANSWER["text"]
-    hasher = KeyHasher()
+    hasher = KeyHasher(normalize_whitespace=True)
     assert hasher.digest("default", VERSION, prompts[0], SETTINGS) == keys[0].rsplit(":", 1)[1]
 
     request = lambda i: (fresh(prompts[seq[i]]), dict(SETTINGS))
@@ -338,10 +341,13 @@ def cache_cases(url: str, prompts: list[str], reps: int, zipf: float) -> tuple[d
 
 def generate_cases(url: str, prompts: list[str], reps: int, zipf: float) -> dict[str, Case]:
     """An L1 hit through `jkv.generate(..., cache=)` on the demo model vs the raw `cache.get` of
-    the same request. The prompts' entries are stored with `put` (generating thousands of
-    answers would take hours); one real generation checks that the hit equals it."""
+    the same request, keyed as generate keys it (`front.prompt_key`: the demo's tokenizer
+    cannot see whitespace, so the text is normalised). The
+    prompts' entries are stored with `put` (generating thousands of answers would take hours);
+    one real generation checks that the hit equals it."""
     import jkv
     from jkv.request import Request
+    from jkv.response_cache import front
     from jkv.response_cache.front import request_settings
 
     params = jkv.load("demo")
@@ -352,7 +358,8 @@ def generate_cases(url: str, prompts: list[str], reps: int, zipf: float) -> dict
     made = jkv.generate(params, prompts[0], cache=cache, **kw)
     again = jkv.generate(params, fresh(prompts[0]), cache=cache, **kw)
     assert made.cache is None and again.cache == "l1" and again.tokens == made.tokens
-    for p in prompts[1:]:
+    keyed = [front.prompt_key(params, p) for p in prompts]  # what generate's key holds
+    for p in keyed[1:]:
         cache.put(params.name, params.identity, p, settings, ANSWER)
     seq = zipf_sequence(len(prompts), reps, zipf, seed=3)
     hit = jkv.generate(params, prompts[seq[0]], cache=cache, **kw)
@@ -361,7 +368,7 @@ def generate_cases(url: str, prompts: list[str], reps: int, zipf: float) -> dict
     return {
         "raw_cache_get": (
             lambda i: (make(i), dict(settings)),
-            lambda a: cache.get(params.name, params.identity, a[0], a[1]),
+            lambda a: cache.get(params.name, params.identity, front.prompt_key(params, a[0]), a[1]),
         ),
         "generate_l1_hit": (make, lambda p: jkv.generate(params, p, cache=cache, **kw)),
     }, cache

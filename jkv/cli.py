@@ -273,6 +273,12 @@ COMMANDS = {
 }
 
 
+def _commands(parser: argparse.ArgumentParser) -> list[str]:
+    """Every subcommand's name, in the order `jkv --help` lists them."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return list(sub.choices)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -281,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"jkv {__version__}")
             return 0
         if args.command is None:
-            raise UsageError("a command is required: " + ", ".join([*COMMANDS, "cache"]))
+            raise UsageError("a command is required: " + ", ".join(_commands(parser)))
         if args.command == "cache":
             return cache_cli.run(args)
         if args.command == "serve":

@@ -3,7 +3,8 @@
 A `Session` is one batch in flight: prefill (`jkv.prefill.prepare`: model steps over the
 prompt, then the policy's compression), then chunks of the fused decode loop (`jkv.decode`),
 with stop strings and text from `jkv.output` on the host between chunks. The response cache,
-when given, is in front (`jkv.response_cache.front`), handed the generation as a callable.
+when given, is around the generation: the prompt's ids are looked up, misses generate here,
+and their results fill the cache (`jkv.response_cache.front`, as `jkv serve` does).
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from jkv.limits import check_context, check_memory
 from jkv.output import GenerationResult, RowOutput
 from jkv.params import Params
 from jkv.prefill import check_state, prepare
-from jkv.prompt import encode_prompts
+from jkv.prompt import encode_prompts, is_batch
 from jkv.request import Request, signature
-from jkv.response_cache.front import generate_cached, stream_cached
+from jkv.response_cache import front
+from jkv.response_cache.miss import Lookup
 
 STOP_CHECK_EVERY = 16  # decode steps between host-side stop-string checks
 
@@ -239,10 +241,14 @@ def generate(params: Params, prompt, *, kv_state=None, cache=None, **settings):
       kv_state: a state from `jkv.prefill` to continue (the prompt is appended to it; the
         state itself is not consumed).
       cache: a `jkv.ResponseCache`: answers come from L1, then L2 (Redis), then the model,
-        which fills both. The key normalises whitespace; the model reads the prompt exactly
-        as given. `result.cache` is "l1", "l2", "coalesced" or None (this call generated); a
-        hit reports the `kv_bytes` and stats of the generation that produced it, plus
-        `stats["cache"]`. Not used with `kv_state` (the state is not part of the key).
+        which fills both. The key holds the prompt as the model reads it: token ids, or the
+        text exactly (whitespace normalised only for a tokenizer that cannot see it; see
+        `jkv.response_cache.front`), so prompts the model tells apart never share an
+        answer. `result.cache`
+        is "l1", "l2", "coalesced" or None (this call generated); a hit reports the
+        `kv_bytes` and stats of the generation that produced it, plus `stats["cache"]`.
+        Identical concurrent calls of one prompt generate once. Not used with `kv_state`
+        (the state is not part of the key).
 
     The settings and their defaults are `jkv.request.DEFAULTS`.
 
@@ -256,9 +262,46 @@ def generate(params: Params, prompt, *, kv_state=None, cache=None, **settings):
     if req.stop and params.tokenizer is None:
         raise ValueError("stop strings need a tokenizer; these params carry none")
     if cache is not None and kv_state is None:
-        return generate_cached(params, prompt, req, cache, run)
+        return through_cache(params, prompt, req, cache)
     prompts, batch = encode_prompts(params, prompt, continuation=kv_state is not None)
     results = run(params, prompts, req, kv_state)
+    return results if batch else results[0]
+
+
+def through_cache(params, prompt, req, cache):
+    """`generate` through the response cache: every row looked up (by `front.prompt_key`: a
+    text hit costs no tokenisation), the misses generated together, then filled. Rows of a
+    batch with the same key generate once ("coalesced"); a single prompt also waits for an
+    identical call generating in another thread instead of generating again."""
+    batch = is_batch(prompt)
+    rows = list(prompt) if batch else [prompt]
+    keys = [front.prompt_key(params, p) for p in rows]
+    encoded = None
+    if any(k is None for k in keys):  # token ids (or bytes): checked, then keyed by the ids
+        encoded, _ = encode_prompts(params, prompt)
+        keys = [encoded[i] if k is None else k for i, k in enumerate(keys)]
+    key = front.key(params, req)
+    results: list = [None] * len(rows)
+    misses, followers, leaders = [], [], {}  # leaders: a row's key -> the row generating it
+    for i, k in enumerate(keys):
+        found = front.lookup(cache, key, k, coalesce=not batch)
+        if isinstance(found, Lookup):
+            results[i] = front.result_of(found)
+            continue
+        first = leaders.setdefault(k if isinstance(k, str) else tuple(k), i) if found.cached else i
+        (misses if first == i else followers).append((i, found if first == i else first))
+    if misses:
+        try:  # every row encoded: an error names the right one
+            encoded = encoded or encode_prompts(params, prompt)[0]
+            made = run(params, [encoded[i] for i, _ in misses], req)
+        except BaseException as e:  # nothing cached; a call waiting on a key learns of it
+            for _, miss in misses:
+                miss.abandon(e)
+            raise
+        for (i, miss), res in zip(misses, made, strict=True):
+            results[i] = front.generated(res, miss.fill(res))
+    for i, first in followers:
+        results[i] = front.coalesced(results[first])
     return results if batch else results[0]
 
 
@@ -279,8 +322,27 @@ def stream(params: Params, prompt, *, kv_state=None, cache=None, **settings) -> 
     if params.tokenizer is None:
         raise ValueError("stream needs a tokenizer to produce text; these params carry none")
     if cache is not None and kv_state is None:
-        return (yield from stream_cached(params, prompt, req, cache, stream_pieces))
+        return (yield from _stream_through_cache(params, prompt, req, cache))
     return (yield from stream_pieces(params, prompt, req, kv_state))
+
+
+def _stream_through_cache(params, prompt, req, cache):
+    """A hit in one piece; a miss streamed, its result filled once the stream ended (a stream
+    closed early fills nothing). Concurrent identical misses each stream their own."""
+    if is_batch(prompt):
+        raise ValueError(f"stream takes one prompt; got a batch of {len(prompt)}")
+    k = front.prompt_key(params, prompt)
+    found = front.lookup(
+        cache, front.key(params, req), encode_prompts(params, prompt)[0][0] if k is None else k,
+        coalesce=False,
+    )  # fmt: skip
+    if isinstance(found, Lookup):
+        result = front.result_of(found)
+        if result.text:
+            yield result.text
+        return result
+    result = yield from stream_pieces(params, prompt, req)
+    return front.generated(result, found.fill(result))
 
 
 def stream_pieces(params: Params, prompt, req: Request, kv_state=None):

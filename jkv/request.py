@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
 from jkv import kv as kvlib
@@ -49,6 +49,43 @@ KEY_NAMES = (
     "kv_dtype",
     "backend",
 )
+
+
+KV_DTYPE_ALIASES = {"fp8": "float8_e4m3fn"}  # what users type -> the dtype's name
+
+
+def resolve_policy(kv_policy, kv_budget=None) -> policies.KVPolicy | None:
+    """`jkv.policies.resolve`, which also takes a mapping of a policy's name and fields, e.g.
+    `{"name": "snapkv", "window": 16, "kernel": 11, "pool": "max"}` (the HTTP body's form):
+    the same as `SnapKV(window=16, kernel=11, pool="max")`, validated by the policy class.
+    `kv_budget` beside it sets its budget (Quantile's kept fraction, as for a name).
+
+    Raises:
+      ValueError: an unknown name or field, a budget given twice, or what the policy refuses.
+    """
+    if not isinstance(kv_policy, Mapping):
+        return policies.resolve(kv_policy, kv_budget)
+    fields = dict(kv_policy)
+    name = fields.pop("name", None)
+    if not isinstance(name, str) or name not in policies.POLICIES:
+        raise ValueError(
+            f"kv_policy.name={name!r}: expected one of {', '.join(sorted(policies.POLICIES))}"
+        )
+    cls = policies.POLICIES[name]
+    known = () if cls is None else [f.name for f in dataclasses.fields(cls) if f.init]
+    for field in fields:
+        if field not in known:
+            have = f"its fields are {', '.join(known)}" if known else "it has no fields"
+            raise ValueError(f"kv_policy.{field}: {name!r} has no such field; {have}")
+    if kv_budget is None:
+        return None if cls is None else cls(**fields)
+    by_budget = "q" if cls is policies.Quantile else "budget"
+    if by_budget in fields:
+        raise ValueError(
+            f"kv_budget={kv_budget!r} beside kv_policy.{by_budget}={fields[by_budget]!r}: "
+            "give one of them"
+        )
+    return dataclasses.replace(policies.resolve(name, kv_budget), **fields)
 
 
 def stop_strings(stop) -> tuple[str, ...]:
@@ -96,8 +133,11 @@ class Request:
             raise ValueError(
                 f"allow_beyond_context={s['allow_beyond_context']!r} must be True or False"
             )
-        kv_dtype = kvlib.validate_kv_dtype(s["kv_dtype"]) if s["kv_dtype"] else None
-        policy = policies.resolve(s["kv_policy"], s["kv_budget"])
+        kv_dtype = s["kv_dtype"]
+        kv_dtype = (
+            kvlib.validate_kv_dtype(KV_DTYPE_ALIASES.get(kv_dtype, kv_dtype)) if kv_dtype else None
+        )
+        policy = resolve_policy(s["kv_policy"], s["kv_budget"])
         window = params.config.sliding_window
         if policy is not None and policy.raw_keys and window is not None:
             raise ValueError(

@@ -55,3 +55,33 @@ def test_defaults_fill_what_is_not_given(tiny_params):
 def test_bad_values_are_named(tiny_params, bad, message):
     with pytest.raises(ValueError, match=message):
         Request.build(tiny_params("llama"), **bad)
+
+
+def test_a_policy_by_its_fields_is_the_policy_object(tiny_params):
+    from jkv.policies import Quantile, SnapKV
+
+    params = tiny_params("llama")
+    fields = {"name": "snapkv", "window": 16, "kernel": 11, "pool": "max"}
+    want = SnapKV(budget=0.25, window=16, kernel=11, pool="max")
+    assert Request.build(params, kv_policy={**fields, "budget": 0.25}).policy == want
+    assert Request.build(params, kv_policy=fields, kv_budget=0.25).policy == want
+    assert Request.build(params, kv_policy={"name": "quantile"}, kv_budget=0.3).policy == (
+        Quantile(q=0.7)
+    )
+    assert Request.build(params, kv_policy={"name": "full"}).policy is None
+    for bad, message in (
+        ({**fields, "windw": 3}, r"kv_policy.windw: 'snapkv' has no such field; its fields"),
+        ({**fields, "kernel": 4}, r"kernel=4 must be odd"),
+        ({**fields, "window": 16.0}, r"window=16.0 must be an integer"),
+        ({"name": "snap"}, r"kv_policy.name='snap': expected one of"),
+        ({"name": "full", "budget": 3}, r"kv_policy.budget: 'full' has no such field"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            Request.build(params, kv_policy=bad)
+    with pytest.raises(ValueError, match=r"kv_budget=0.5 beside kv_policy.budget=0.25"):
+        Request.build(params, kv_policy={**fields, "budget": 0.25}, kv_budget=0.5)
+
+
+def test_fp8_names_float8_e4m3fn(tiny_params):
+    req = Request.build(tiny_params("llama"), kv_dtype="fp8")
+    assert req.kv_dtype == "float8_e4m3fn"

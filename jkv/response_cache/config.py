@@ -54,6 +54,8 @@ class CacheConfig:
     Attributes:
         redis_url: L2 location; None means L1 only (embedded mode).
         namespace: the tenant; part of every key's hash.
+        normalize_whitespace: hash str prompts whitespace-normalised (the seed's canonical
+            hash), for callers whose model cannot see whitespace; default: exactly as given.
         l1_max_entries: L1 capacity in entries (default 1000).
         l1_max_bytes: L1 capacity in encoded-value bytes.
         ttl: L2 time to live, whole seconds (`SET ... EX ttl`), also for group sets.
@@ -74,6 +76,7 @@ class CacheConfig:
 
     redis_url: str | None = None
     namespace: str = "default"
+    normalize_whitespace: bool = False
     l1_max_entries: int = 1000
     l1_max_bytes: int = 64 * MiB
     ttl: int = 3600
@@ -95,6 +98,8 @@ class CacheConfig:
         if self.redis_url is not None:
             check_redis_url(self.redis_url)
         check_namespace(self.namespace)
+        if not isinstance(self.normalize_whitespace, bool):
+            raise ValueError(f"normalize_whitespace={self.normalize_whitespace!r}: True or False")
         for name in ("l1_max_entries", "l1_max_bytes", "ttl", "max_value_bytes"):
             _positive(name, getattr(self, name), integer=True)
         for name in ("max_connections", "lease_ms", "cleanup_batch"):

@@ -15,10 +15,15 @@ The SHA-256 covers, in a versioned framing (`KEY_SCHEMA`):
 
 1. a header, canonical JSON (sorted keys, no spaces, UTF-8) of
    `["jkv-key", KEY_SCHEMA, namespace, model_version, settings]`;
-2. the prompt: a str is whitespace-normalised (trim, newlines to spaces,
-   every run of whitespace to one space; Python's `str.split` defines whitespace, so Unicode
-   spaces count too) and UTF-8 encoded; a token-id sequence is hashed as little-endian int64
-   and is never equal to a str prompt.
+2. the prompt as the model reads it: a token-id sequence as little-endian int64, or a str's
+   exact UTF-8 (whitespace included: a byte-level tokenizer reads "a\n\nb" and "a b" as
+   different tokens, so their answers differ). Only a cache built with
+   `normalize_whitespace=True` hashes a str whitespace-normalised (the seed's canonical hash:
+   trim, newlines to spaces, every run of whitespace to one space; Python's `str.split`
+   defines whitespace), for a caller whose model cannot see the difference. The three forms
+   never equal each other. jkv's own callers (`jkv.generate`, `jkv.stream`, `jkv serve`) pass
+   token ids: whitespace variants then share a key exactly when the tokenizer gives them the
+   same ids (the demo's word-level tokenizer does; a byte-level BPE never does).
 
 The header is length-prefixed, so no choice of prompt can imitate another header.
 
@@ -56,7 +61,7 @@ from typing import Any
 
 import msgpack
 
-KEY_SCHEMA = 1
+KEY_SCHEMA = 2  # 2: a str prompt is hashed exactly unless normalisation is asked for
 PREFIX = "llm:response:"
 MAX_NAME = 128
 _MODEL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/+@-]{0,127}")
@@ -254,7 +259,10 @@ class KeyHasher:
     and cleared when full (rare: it takes thousands of distinct settings).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, normalize_whitespace: bool = False) -> None:
+        if not isinstance(normalize_whitespace, bool):
+            raise ValueError(f"normalize_whitespace={normalize_whitespace!r} must be True or False")
+        self.normalize_whitespace = normalize_whitespace
         self._bases: dict[tuple[str, str, bytes], tuple[Any, Any]] = {}
         self._settings: dict[bytes, Settings] = {}
         self._local = threading.local()
@@ -288,7 +296,7 @@ class KeyHasher:
         base = hashlib.sha256(len(header).to_bytes(8, "little"))
         base.update(header)
         text, tokens = base.copy(), base
-        text.update(b"s")
+        text.update(b"w" if self.normalize_whitespace else b"s")  # normalised / exact text
         tokens.update(b"t")
         if len(self._bases) >= _MEMO_MAX:
             self._bases.clear()
@@ -310,7 +318,8 @@ class KeyHasher:
             bases = self._base(namespace, model_version, settings)
         if isinstance(prompt, str):
             h = bases[0].copy()
-            h.update(" ".join(prompt.split()).encode("utf-8", "surrogatepass"))
+            text = " ".join(prompt.split()) if self.normalize_whitespace else prompt
+            h.update(text.encode("utf-8", "surrogatepass"))
         else:
             h = bases[1].copy()
             h.update(_token_bytes(prompt))
@@ -329,19 +338,26 @@ def _token_bytes(tokens: Any) -> bytes:
     return a.tobytes()
 
 
-_DEFAULT_HASHER = KeyHasher()
+_HASHERS = {False: KeyHasher(), True: KeyHasher(normalize_whitespace=True)}
 
 
 def request_hash(
-    namespace: str, model_version: str, prompt: Prompt, settings: Mapping[str, Any]
+    namespace: str,
+    model_version: str,
+    prompt: Prompt,
+    settings: Mapping[str, Any],
+    *,
+    normalize_whitespace: bool = False,
 ) -> str:
     """The SHA-256 hex digest of a request (module-level convenience over `KeyHasher`).
 
     Args:
         namespace: the tenant.
         model_version: the model's identity (jkv passes `params.identity`).
-        prompt: a str (whitespace-normalised) or a sequence of token ids.
+        prompt: a str (exact, or whitespace-normalised with `normalize_whitespace`) or a
+            sequence of token ids.
         settings: every setting that changes the output.
+        normalize_whitespace: hash a str prompt whitespace-normalised (see the module).
 
     Returns:
         64 lowercase hex characters.
@@ -349,7 +365,7 @@ def request_hash(
     Raises:
         ValueError: bad settings or prompt.
     """
-    return _DEFAULT_HASHER.digest(namespace, model_version, prompt, settings)
+    return _HASHERS[normalize_whitespace is True].digest(namespace, model_version, prompt, settings)
 
 
 RESPONSE_KEY = PREFIX + "{{{}}}:{}:{}"  # .format(model_name, generation, digest)

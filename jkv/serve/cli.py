@@ -5,64 +5,183 @@ for up to --shutdown-timeout seconds, and exits)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import logging
+import os
 import signal
 import sys
 
 import jkv
 from jkv.checkpoints import DEMO_DIR
 from jkv.compile_time import use_compile_cache
+from jkv.request import resolve_policy
+from jkv.serve import auth
+from jkv.serve.body import MAX_BODY_BYTES
 from jkv.serve.metrics import JsonFormatter
 from jkv.serve.server import Server, chat_template_of
 
 
 def add_subcommand(sub) -> None:
-    s = sub.add_parser("serve", help="serve a model over OpenAI's HTTP API")
+    s = sub.add_parser(
+        "serve",
+        help="serve a model over OpenAI's HTTP API",
+        description="Serves MODEL over OpenAI's HTTP API (/v1/completions, /v1/chat/completions,"
+        " /v1/models, /health, /metrics). The --kv-* flags are checked as the HTTP body's "
+        "fields of the same names are.",
+        formatter_class=_Help,
+    )
     s.add_argument("model", help="'demo', a Hugging Face folder or a jkv folder")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--served-model-name", default=None, help="the name clients send as model")
-    s.add_argument("--kv-policy", default=None, help="the default KV policy of requests")
-    s.add_argument("--kv-budget", type=float, default=None, help="its budget (ratio or tokens)")
-    s.add_argument("--kv-dtype", default=None, help="float32, bfloat16 or fp8 (one per server)")
+    s.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    s.add_argument("--port", type=_port, default=8000, help="the port to listen on")
+    s.add_argument("--served-model-name", default=None,
+                   help="the name clients send as model (default: the model's)")  # fmt: skip
+    s.add_argument("--kv-policy", type=_policy, default=None,
+                   help="requests' default KV policy: a name (snapkv, streaming, ...) or its "
+                   'fields as JSON, e.g. \'{"name": "snapkv", "window": 16, "pool": "max"}\'')  # fmt: skip
+    s.add_argument("--kv-budget", type=_number, default=None,
+                   help="the default policy's budget: tokens (256) or a ratio (0.25)")  # fmt: skip
+    s.add_argument("--kv-dtype", default=None,
+                   help="KV storage, one per server: float32, bfloat16 or float8_e4m3fn (fp8) "
+                   "(default: the weights' dtype)")  # fmt: skip
     s.add_argument("--num-pages", type=int, default=1024, help="KV pool pages")
-    s.add_argument("--page-size", type=int, default=16)
+    s.add_argument("--page-size", type=int, default=16, help="tokens per page")
     s.add_argument("--max-running", type=int, default=32, help="requests decoding at once")
     s.add_argument("--token-budget", type=int, default=256, help="tokens per engine step")
     s.add_argument("--chunk", type=int, default=128, help="prefill chunk (tokens)")
     s.add_argument("--attention-mass", action="store_true", help="keep H2O's mass in the pool")
     s.add_argument("--recycle", choices=("lazy", "watermark"), default="lazy",
-                   help="when cached pages are taken back (default lazy, as vLLM)")  # fmt: skip
+                   help="when cached pages are taken back (lazy, as vLLM)")  # fmt: skip
     s.add_argument("--recycle-below", type=float, default=0.15, help="the watermark's free share")
     s.add_argument("--admission-headroom", type=float, default=0.05,
                    help="pool share a new request must leave free")  # fmt: skip
     s.add_argument("--admission", choices=("reserve", "optimistic"), default="reserve",
                    help="reserve: pages for max_tokens at admission; optimistic: preempt later")  # fmt: skip
-    s.add_argument("--redis-url", default=None, help="the response cache's L2 (Redis)")
-    s.add_argument("--no-response-cache", action="store_true")
-    s.add_argument("--max-queued-requests", type=int, default=512)
-    s.add_argument("--max-queued-tokens", type=int, default=262144)
+    s.add_argument("--redis-url", default=None,
+                   help="the response cache's L2 (Redis); default: in-process L1 only")  # fmt: skip
+    s.add_argument("--no-response-cache", action="store_true",
+                   help="answer every request from the engine")  # fmt: skip
+    s.add_argument("--max-queued-requests", type=int, default=512,
+                   help="requests waiting for their first token; past it, 503")  # fmt: skip
+    s.add_argument("--max-queued-tokens", type=int, default=262144,
+                   help="their prompt tokens; past it, 503")  # fmt: skip
+    s.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help=f"a key clients must send as 'Authorization: Bearer KEY' (repeatable; "
+                   f"each its own tenant; also ${auth.ENV})")  # fmt: skip
+    s.add_argument("--api-keys-file", default=None, metavar="FILE",
+                   help="keys and their tenants, one 'KEY TENANT' per line: a tenant's "
+                   "requests share its response and prefix caches, no one else's")  # fmt: skip
+    s.add_argument("--protect-health-metrics", action="store_true",
+                   help="/health and /metrics need a key too (default: open)")  # fmt: skip
+    s.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
+                   help="larger request bodies get 413, unread")  # fmt: skip
+    s.add_argument("--max-prompt-chars", type=int, default=None,
+                   help="longer prompts get 400 before they are tokenised (default: 32 per "
+                   "token of the context)")  # fmt: skip
     s.add_argument("--warmup", action="store_true", help="compile every step shape first")
-    s.add_argument("--shutdown-timeout", type=float, default=30.0)
-    s.add_argument("--log-level", default="info")
+    s.add_argument("--shutdown-timeout", type=_seconds, default=30.0,
+                   help="on SIGTERM, seconds in-flight requests may take to finish")  # fmt: skip
+    s.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="JSON logs on stderr")
+
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+class _Help(argparse.HelpFormatter):
+    """Help that shows each flag's default (not None's or a switch's)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        shown = action.default not in (None, False, argparse.SUPPRESS)
+        if shown and action.option_strings and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"invalid port {text!r}: an integer in [0, 65535]")
+    return port
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"invalid {text!r}: seconds >= 0")
+    return value
+
+
+def _number(text: str) -> int | float:
+    """A JSON number, as the body's field would carry it: "256" is an int, "0.25" a float."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise argparse.ArgumentTypeError(f"invalid number {text!r}: a token count or a ratio")
+    return value
+
+
+def _policy(text: str) -> str | dict:
+    """A policy name, or a JSON object of its name and fields (the body's two forms)."""
+    if not text.lstrip().startswith("{"):
+        return text
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(
+            f"invalid policy {text!r}: not a JSON object ({e})"
+        ) from None
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         import fastapi  # noqa: F401
-        import uvicorn
+        import uvicorn  # noqa: F401
     except ImportError as e:
         raise ValueError(
             f"jkv serve needs the serve extra ({e}): pip install 'jkv[serve]'"
         ) from None
 
+    root = logging.getLogger("jkv")
+    saved = root.handlers[:], root.level, root.propagate
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter())
-    root = logging.getLogger("jkv")
     root.handlers[:] = [handler]
     root.setLevel(args.log_level.upper())
     root.propagate = False
+    try:
+        return _run(args)
+    finally:  # as it was: `jkv.cli.main` may run in a process that goes on
+        root.handlers[:], root.propagate = saved[0], saved[2]
+        root.setLevel(saved[1])
 
+
+def _run(args: argparse.Namespace) -> int:
+    defaults = {
+        name: value
+        for name, value in (("kv_policy", args.kv_policy), ("kv_budget", args.kv_budget))
+        if value is not None
+    }
+    policy = resolve_policy(args.kv_policy, args.kv_budget)  # before the model loads
+    keys = auth.load(args.api_key, args.api_keys_file, os.environ)
+    log = logging.getLogger("jkv.serve")
+    if keys is None:
+        log.warning(
+            "no API key: every client may call this server and all share one tenant (one "
+            "response cache, one prefix cache); give --api-key or --api-keys-file before "
+            "exposing it beyond this machine"
+        )
+    else:
+        log.info("%d API keys, %d tenants", len(keys), len(keys.tenants))
     use_compile_cache()
     params = jkv.load(args.model)
     if args.served_model_name:
@@ -81,35 +200,59 @@ def run(args: argparse.Namespace) -> int:
         admission_headroom=args.admission_headroom,
         admission=args.admission,
     )
-    defaults = {}
-    if args.kv_policy is not None:
-        defaults["kv_policy"] = args.kv_policy
-        if args.kv_budget is not None:
-            defaults["kv_budget"] = int(args.kv_budget) if args.kv_budget >= 1 else args.kv_budget
-    if args.warmup:
-        seconds = engine.warmup(kv_policies=[args.kv_policy] if args.kv_policy else ())
-        logging.getLogger("jkv.serve").info("warmed up in %.1f s", seconds)
-    cache = None
-    if not args.no_response_cache:
-        cache = jkv.ResponseCache(args.redis_url)
     template, special = chat_template_of(DEMO_DIR if args.model == "demo" else args.model)
-    server = Server(
-        params,
-        engine,
-        response_cache=cache,
-        max_queued_requests=args.max_queued_requests,
-        max_queued_tokens=args.max_queued_tokens,
-        chat_template=template,
-        special_tokens=special,
-        defaults=defaults,
-    )
+    cache = None if args.no_response_cache else jkv.ResponseCache(args.redis_url)
+    try:
+        server = Server(
+            params,
+            engine,
+            response_cache=cache,
+            max_queued_requests=args.max_queued_requests,
+            max_queued_tokens=args.max_queued_tokens,
+            chat_template=template,
+            special_tokens=special,
+            defaults=defaults,
+            max_body_bytes=args.max_body_bytes,
+            max_prompt_chars=args.max_prompt_chars,
+            api_keys=keys,
+            protect_health_metrics=args.protect_health_metrics,
+        )
+        if args.warmup:
+            seconds = engine.warmup(kv_policies=[policy] if policy is not None else ())
+            log.info("warmed up in %.1f s", seconds)
+        _serve(server, args)
+    finally:
+        if cache is not None:
+            cache.close()
+    return 0
+
+
+DRAIN_S = 5.0  # after --shutdown-timeout: for requests ended with 503 to say so and close
+
+
+def _serve(server: Server, args: argparse.Namespace) -> None:
+    import uvicorn
+
+    class Graceful(uvicorn.Server):
+        """uvicorn's graceful shutdown (no new connections, in-flight requests finish), and at
+        --shutdown-timeout the server ends what still runs with a 503 `server_shutdown` (a
+        stream: an error event, then [DONE]) instead of cutting connections unannounced."""
+
+        async def shutdown(self, sockets=None):
+            loop = asyncio.get_running_loop()
+            timer = loop.call_later(args.shutdown_timeout, server.stop_requests)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
     config = uvicorn.Config(
         server.app,
         host=args.host,
         port=args.port,
         log_level=args.log_level,
         access_log=False,
-        timeout_graceful_shutdown=args.shutdown_timeout,
+        timeout_graceful_shutdown=args.shutdown_timeout + DRAIN_S,
         log_config=None,
     )
     logging.getLogger("jkv.serve").info(
@@ -120,10 +263,5 @@ def run(args: argparse.Namespace) -> int:
     stopped = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stopped.append(signum))
-    try:
-        uvicorn.Server(config).run()
-    finally:
-        if cache is not None:
-            cache.close()
+    Graceful(config).run()
     logging.getLogger("jkv.serve").info("stopped (%s)", ", ".join(map(str, stopped)) or "done")
-    return 0

@@ -42,7 +42,8 @@ class RequestRecord:
     request_id: str
     operation: str  # "chat" | "text_completion"
     arrival: float
-    tenant: str | None = None  # the cache_salt (logged as a hash only)
+    tenant: str | None = None  # the caches' salt (tenant and cache_salt; logged as a hash)
+    tenant_name: str | None = None  # the API key's tenant
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -226,6 +227,7 @@ class Observability:
             "model": self.model_name,
             "operation": rec.operation,
             "tenant": _tenant_hash(rec.tenant),
+            "api_tenant": rec.tenant_name,
             "prompt_tokens": rec.prompt_tokens,
             "completion_tokens": rec.completion_tokens,
             "cached_tokens": rec.cached_tokens,

@@ -8,7 +8,8 @@ OpenAI's error JSON (`{"error": {"message", "type", "param", "code"}}`).
 Defaults follow OpenAI's API: `temperature` 1, `top_p` 1, `max_tokens` 16 for completions and
 "the rest of the context" for chat. jkv's own settings ride in the same body (the `openai`
 client's `extra_body`): `kv_policy`, `kv_budget`, `logit_keep_ratio`, `top_k`, `min_p`, and
-`cache_salt`, which keeps a tenant's prefix-cache pages and cached responses its own.
+`cache_salt`, which narrows the tenant's prefix-cache pages and cached responses to the
+requests that send it (the tenant itself is the API key's, decided by the server).
 
 A sampled request (temperature > 0) without a `seed` gets a fresh random seed and is never
 answered from the response cache; a greedy one, or one with a seed, is deterministic.
@@ -18,9 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import secrets
 import time
 from typing import Any
+
+from jkv.serve import unsupported
 
 # Chat models without a template in their tokenizer config get this one: the bos token, then
 # each message on its own line as "role: content", then "assistant:" for the model to continue.
@@ -31,21 +35,14 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 ROLES = ("system", "developer", "user", "assistant", "tool")
-# Fields OpenAI defines that jkv does not implement: refused unless at their neutral value.
-UNSUPPORTED = {
-    "n": 1,
-    "best_of": 1,
-    "echo": False,
-    "logprobs": None,
-    "top_logprobs": None,
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "logit_bias": None,
-    "suffix": None,
-    "tools": None,
-    "response_format": None,
-}
 SEED_RANGE = (0, 2**31 - 1)
+# jkv's own settings in the body: their JSON types (their values are checked by
+# `jkv.request.Request.build`, as for `jkv.generate`)
+JKV_FIELDS = (
+    ("kv_policy", (str, dict), 'a policy name or an object such as {"name": "snapkv", ...}'),
+    ("kv_budget", (int, float), "a token count or a ratio"),
+    ("logit_keep_ratio", (int, float), "a number"),
+)
 
 
 class APIError(Exception):
@@ -80,6 +77,46 @@ def bad(param: str | None, message: str, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 
 
+def param_of(message: str, given: dict) -> str | None:
+    """The body field a jkv error message is about: the setting it names first ("top_p=2: ..."
+    -> "top_p"); a KV policy's own fields are the request's `kv_policy`, its budget
+    `kv_budget` when the request gave one."""
+    found = re.match(r"([A-Za-z_][\w.]*)\s*[=:]", message)
+    head = found.group(1) if found else None
+    if head is None or head in given or head.startswith("kv_policy"):
+        return head
+    if head == "budget" and "kv_budget" in given:
+        return "kv_budget"
+    return "kv_policy" if "kv_policy" in given else head
+
+
+def http_error(status: int, method: str, path: str, detail) -> APIError:
+    """What the web framework refuses before a handler runs (404 no such path, 405 method)."""
+    if status == 404:
+        message = f"Invalid URL ({method} {path}): no such endpoint"
+    elif status == 405:
+        message = f"{method} is not allowed on {path}"
+    else:
+        message = str(detail)
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    return APIError(status, message, type=kind)
+
+
+def internal_error(err: BaseException) -> APIError:
+    """A bug's 500: its type, never its traceback (that goes to the log)."""
+    return APIError(500, f"internal error: {type(err).__name__}", type="server_error")
+
+
+def engine_error(err: BaseException) -> APIError:
+    """A failed engine step (500): the request is not answered; retrying may succeed."""
+    return APIError(
+        500,
+        f"the engine failed while generating ({type(err).__name__}); retry the request",
+        type="server_error",
+        code="engine_error",
+    )
+
+
 @dataclasses.dataclass
 class ParsedRequest:
     kind: str  # "completion" | "chat"
@@ -96,17 +133,6 @@ class ParsedRequest:
     def operation(self) -> str:
         """OpenTelemetry GenAI's operation name."""
         return "chat" if self.kind == "chat" else "text_completion"
-
-
-def loads(raw: bytes) -> dict:
-    """The body as a JSON object, or 400."""
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise bad(None, f"the body is not valid JSON ({e}); expected a JSON object") from None
-    if not isinstance(body, dict):
-        raise bad(None, f"the body is a JSON {type(body).__name__}; expected a JSON object")
-    return body
 
 
 def _number(body, name, low, high, *, low_open=False):
@@ -169,6 +195,16 @@ def _prompt(body):
     raise bad("prompt", f"prompt={prompt!r:.80}: expected a string or a list of token ids")
 
 
+def _check_length(param: str, n: int, max_chars: int | None) -> None:
+    if max_chars is not None and n > max_chars:
+        raise bad(
+            param,
+            f"the prompt is {n:,} characters (or token ids); this server reads at most "
+            f"{max_chars:,}, more than its context can hold",
+            code="context_length_exceeded",
+        )
+
+
 def _messages(body) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -183,19 +219,24 @@ def _messages(body) -> list[dict]:
             raise bad(f"{where}.role", f"{where}.role={role!r}: expected one of {ROLES}")
         if isinstance(content, list):  # content parts: text only
             texts = []
-            for part in content:
+            for j, part in enumerate(content):
+                at = f"{where}.content[{j}]"
                 if not isinstance(part, dict) or part.get("type") != "text":
+                    raise bad(at, f"{at} holds {part!r:.60}; jkv reads text parts only")
+                if not isinstance(part.get("text"), str):
                     raise bad(
-                        f"{where}.content",
-                        f"{where}.content holds {part!r:.60}; jkv reads text parts only",
+                        f"{at}.text", f"{at}.text={part.get('text')!r:.60}: expected a string"
                     )
-                texts.append(str(part.get("text", "")))
+                texts.append(part["text"])
             content = "".join(texts)
         if content is None:
             content = ""
         if not isinstance(content, str):
             raise bad(f"{where}.content", f"{where}.content={content!r:.60}: expected a string")
-        out.append({"role": role, "content": content})
+        name = m.get("name")
+        if name is not None and not isinstance(name, str):
+            raise bad(f"{where}.name", f"{where}.name={name!r:.60}: expected a string")
+        out.append({"role": role, "content": content} | ({"name": name} if name else {}))
     return out
 
 
@@ -218,22 +259,27 @@ def render_chat(messages: list[dict], template: str | None, special: dict[str, s
         raise bad("messages", f"the chat template refused these messages: {e}") from None
 
 
-def parse(kind: str, body: dict, *, chat_template=None, special=None) -> ParsedRequest:
-    """A completions (`kind="completion"`) or chat body -> `ParsedRequest`, or APIError."""
+def parse(
+    kind: str, body: dict, *, chat_template=None, special=None, max_chars: int | None = None
+) -> ParsedRequest:
+    """A completions (`kind="completion"`) or chat body -> `ParsedRequest`, or APIError.
+
+    A prompt longer than `max_chars` (characters of text, all messages' together, or token
+    ids) is refused before it is templated."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("model", f"model={model!r}: expected the served model's name (GET /v1/models)")
-    for name, neutral in UNSUPPORTED.items():
-        value = body.get(name)
-        if value is not None and value != neutral and not (name == "logit_bias" and not value):
-            raise bad(name, f"{name}={value!r:.60} is not supported by jkv (only {neutral!r})")
+    unsupported.check(body, bad)
     if kind == "chat":
-        prompt = render_chat(_messages(body), chat_template, special or {})
+        messages = _messages(body)
+        _check_length("messages", sum(len(m["content"]) for m in messages), max_chars)
+        prompt = render_chat(messages, chat_template, special or {})
         max_tokens = _int(body, "max_completion_tokens", 1)
         if max_tokens is None:
             max_tokens = _int(body, "max_tokens", 1)
     else:
         prompt = _prompt(body)
+        _check_length("prompt", len(prompt), max_chars)
         max_tokens = _int(body, "max_tokens", 1)
         max_tokens = 16 if max_tokens is None else max_tokens
     temperature = _number(body, "temperature", 0, 2)
@@ -249,9 +295,14 @@ def parse(kind: str, body: dict, *, chat_template=None, special=None) -> ParsedR
     stream = body.get("stream", False)
     if not isinstance(stream, bool | None):
         raise bad("stream", f"stream={stream!r}: expected true or false")
-    options = body.get("stream_options") or {}
+    options = body.get("stream_options")
+    options = {} if options is None else options
     if not isinstance(options, dict):
-        raise bad("stream_options", f"stream_options={options!r}: expected an object")
+        raise bad("stream_options", f"stream_options={options!r:.60}: expected an object")
+    for name in ("include_usage", "include_obfuscation"):  # jkv never obfuscates: no padding
+        if options.get(name) is not None and not isinstance(options[name], bool):
+            where = f"stream_options.{name}"
+            raise bad(where, f"{where}={options[name]!r:.60}: expected true or false")
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise bad("cache_salt", f"cache_salt={salt!r}: expected a non-empty string")
@@ -264,9 +315,7 @@ def parse(kind: str, body: dict, *, chat_template=None, special=None) -> ParsedR
         seed=seed if seed is not None else (0 if greedy else secrets.randbelow(SEED_RANGE[1])),
         stop=_stop(body),
     )
-    for name in ("kv_policy", "kv_budget", "logit_keep_ratio"):
-        if body.get(name) is not None:
-            settings[name] = body[name]
+    settings.update(jkv_settings(body))
     return ParsedRequest(
         kind=kind,
         model=model,
@@ -278,6 +327,20 @@ def parse(kind: str, body: dict, *, chat_template=None, special=None) -> ParsedR
         cache_salt=salt,
         seeded=greedy or seed is not None,
     )
+
+
+def jkv_settings(body: dict) -> dict:
+    """jkv's own settings of a body (`kv_policy`, `kv_budget`, `logit_keep_ratio`), their JSON
+    types checked; `jkv serve`'s flags of the same names go through here too."""
+    out = {}
+    for name, kinds, spelled in JKV_FIELDS:
+        value = body.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            raise bad(name, f"{name}={value!r:.60}: expected {spelled}")
+        out[name] = value
+    return out
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached: int, cache: str | None) -> dict:

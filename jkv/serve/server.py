@@ -7,15 +7,18 @@ Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (both with `strea
 server-sent events ending with `data: [DONE]`), `GET /v1/models`, `GET /health`,
 `GET /metrics` (Prometheus).
 
-A request's way: JSON body -> `openai.parse` (400 on anything malformed) -> its prompt's token
-ids -> `jkv.request.Request.build` (400 naming the bad setting) -> the response cache, when the
-request is deterministic (greedy or seeded; the tenant's `cache_salt` is part of the key): a hit
-answers at once, marked by the `x-jkv-cache` header and `usage.jkv_cache` -> admission (503 with
-`Retry-After` past `max_queued_requests` requests or `max_queued_tokens` prompt tokens waiting
-for their first token) -> `Engine.stream` (the engine steps in a worker thread; every request
-shares its steps) -> SSE chunks or one JSON body -> the response cache is filled -> metrics,
-the trace's spans, one JSON log line. A client that leaves (mid-stream or while waiting) aborts
-its request: its pages go back to the pool at once.
+A request's way: its API key -> the tenant (401 without one, when keys are set; `auth.py`) ->
+the body, bounded (413 / 415; `body.py`) -> in a worker thread: JSON (depth-checked), `openai.
+parse` (400 on anything malformed), the prompt's token ids, `jkv.request.Request.build` (400
+naming the bad setting) -> the response cache, when the request is deterministic (greedy or
+seeded), keyed by the tenant and the client's `cache_salt` within it: a hit answers at once,
+marked by the `x-jkv-cache` header and `usage.jkv_cache` -> admission (503 with `Retry-After`
+past `max_queued_requests` requests or `max_queued_tokens` prompt tokens waiting for their
+first token) -> `Engine.stream` (the engine steps in a worker thread; every request shares its
+steps) -> SSE chunks or one JSON body (`answer.py`) -> the response cache is filled (a worker
+thread) -> metrics, the trace's spans, one JSON log line. A client that leaves (mid-stream or
+while waiting) aborts its request: its pages go back to the pool. Every error is OpenAI's
+error JSON.
 
 FastAPI and prometheus-client (the `serve` extra) are imported where they are used, so that
 `import jkv.cli` stays light. (No `from __future__ import annotations` here: FastAPI reads the
@@ -34,15 +37,16 @@ from pathlib import Path
 from jkv.prompt import prompt_ids
 from jkv.request import Request as Settings
 from jkv.response_cache import front
+from jkv.response_cache.miss import Lookup
+from jkv.serve import auth, body
 from jkv.serve import openai as oa
+from jkv.serve.answer import Answer, stopped
 from jkv.serve.metrics import Observability, RequestRecord
 
 LOG = logging.getLogger("jkv.serve")
 RETRY_AFTER_S = 1  # what a 503 asks the client to wait
-
-
-class ClientGone(Exception):
-    """The client closed the connection before its answer was complete."""
+CHARS_PER_TOKEN = 32  # a prompt longer than this per token of the context cannot fit in it
+REJECTED = {413: "too_large", 415: "unsupported_media_type"}  # status -> the metric's reason
 
 
 class Server:
@@ -53,6 +57,13 @@ class Server:
         engine: the `jkv.Engine` serving it.
         model_name: the name clients send as `model` (default: `params.name`).
         response_cache: a `jkv.ResponseCache` answering deterministic requests first, or None.
+        api_keys: `jkv.serve.auth.Keys` or a mapping of API key -> tenant name: requests
+            without one get 401, and each tenant has caches of its own. None: no keys, one
+            tenant (for trusted clients only).
+        protect_health_metrics: /health and /metrics need a key too (else they are open).
+        max_body_bytes: larger request bodies get 413, unread.
+        max_prompt_chars: longer prompts (text, or all messages' text) get 400 before they are
+            templated or tokenised (default: 32 per token of the engine's max_model_len).
         max_queued_requests / max_queued_tokens: admitted requests (and their prompt tokens)
             that have not had their first token yet; past either, 503 with Retry-After.
         chat_template: Jinja chat template (default: `openai.DEFAULT_CHAT_TEMPLATE`).
@@ -73,6 +84,10 @@ class Server:
         chat_template: str | None = None,
         special_tokens: dict | None = None,
         defaults: dict | None = None,
+        max_body_bytes: int = body.MAX_BODY_BYTES,
+        max_prompt_chars: int | None = None,
+        api_keys=None,
+        protect_health_metrics: bool = False,
         span_exporter=None,
     ):
         for name, value in (("max_queued_requests", max_queued_requests),
@@ -80,12 +95,21 @@ class Server:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: expected an integer >= 1")
         self.params, self.engine, self.cache = params, engine, response_cache
+        if api_keys is not None and not isinstance(api_keys, auth.Keys):
+            api_keys = auth.Keys(api_keys)
+        self.keys = api_keys or None
+        self.protect_health_metrics = bool(protect_health_metrics)
+        self.max_body_bytes = body.check_limit("max_body_bytes", max_body_bytes)
+        if max_prompt_chars is None:
+            max_prompt_chars = CHARS_PER_TOKEN * engine.max_model_len
+        self.max_prompt_chars = body.check_limit("max_prompt_chars", max_prompt_chars)
         self.name = model_name or params.name
         self.max_queued_requests, self.max_queued_tokens = max_queued_requests, max_queued_tokens
         self.chat_template = chat_template
         self.special = {**_special_tokens(params), **(special_tokens or {})}
-        self.defaults = defaults or {}
+        self.defaults = _checked_defaults(params, defaults or {})
         self.obs = Observability(engine, self.name, span_exporter=span_exporter)
+        self.stopping = asyncio.Event()  # set: requests still running end with a 503
         self.queued_requests = 0
         self.queued_tokens = 0
         self.in_flight = 0
@@ -96,8 +120,10 @@ class Server:
 
     def _build(self):
         from fastapi import FastAPI, Request
+        from fastapi.exceptions import RequestValidationError
         from fastapi.responses import JSONResponse, Response
         from prometheus_client import CONTENT_TYPE_LATEST
+        from starlette.exceptions import HTTPException as StarletteHTTPException
 
         @contextlib.asynccontextmanager
         async def lifespan(app):
@@ -115,18 +141,39 @@ class Server:
         async def api_error(request, err: oa.APIError):
             return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(request, err: StarletteHTTPException):  # 404, 405, ...
+            error = oa.http_error(err.status_code, request.method, request.url.path, err.detail)
+            return JSONResponse(error.body(), status_code=err.status_code, headers=err.headers)
+
+        @app.exception_handler(RequestValidationError)
+        async def invalid(request, err: RequestValidationError):  # 422
+            first = (err.errors() or [{}])[0]
+            where = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
+            error = oa.APIError(422, f"{where}: {first.get('msg', 'invalid')}", param=where)
+            return JSONResponse(error.body(), status_code=422)
+
         @app.exception_handler(Exception)
         async def unexpected(request, err: Exception):
             LOG.exception("unexpected error serving %s", request.url.path)
-            body = oa.APIError(500, f"internal error: {type(err).__name__}", type="server_error")
-            return JSONResponse(body.body(), status_code=500)
+            return JSONResponse(oa.internal_error(err).body(), status_code=500)
 
         @app.get("/health")
-        async def health():
+        async def health(request: Request):
+            if self.protect_health_metrics:
+                self._tenant(request)
+            if not getattr(self.engine, "healthy", True):
+                raise oa.APIError(
+                    503,
+                    "the engine is not healthy (a step failed and it has not recovered)",
+                    type="server_error",
+                    code="engine_unhealthy",
+                )
             return {"status": "ok"}
 
         @app.get("/v1/models")
-        async def models():
+        async def models(request: Request):
+            self._tenant(request)
             return {
                 "object": "list",
                 "data": [
@@ -141,7 +188,9 @@ class Server:
             }
 
         @app.get("/metrics")
-        async def metrics():
+        async def metrics(request: Request):
+            if self.protect_health_metrics:
+                self._tenant(request)
             data = await asyncio.to_thread(self.obs.render)
             return Response(data, media_type=CONTENT_TYPE_LATEST)
 
@@ -157,43 +206,72 @@ class Server:
 
     # -- one request ------------------------------------------------------------------------
 
+    def _tenant(self, request) -> str | None:
+        """The tenant of the request's API key (None without keys), or 401."""
+        if self.keys is None:
+            return None
+        try:
+            return self.keys.tenant(request.headers.get("authorization"))
+        except oa.APIError:
+            self.obs.reject("unauthorized")
+            raise
+
     async def _serve(self, kind: str, request):
         arrival = time.monotonic()
+        tenant = self._tenant(request)  # before the body is read
+        if self.stopping.is_set():
+            raise stopped()
         try:
-            req = oa.parse(
-                kind,
-                oa.loads(await request.body()),
-                chat_template=self.chat_template,
-                special=self.special,
-            )
-            if req.model != self.name:
-                raise oa.APIError(
-                    400,
-                    f"model={req.model!r} is not served here; this server serves {self.name!r}",
-                    param="model",
-                    code="model_not_found",
-                )
-            ids, settings, jreq = self._settings(req)
-        except oa.APIError:
-            self.obs.reject("invalid_request")
+            raw = await body.read(request, self.max_body_bytes)  # moves bytes only
+            # JSON, templating and tokenisation in a worker: the loop never waits on them
+            req, ids, settings, jreq = await asyncio.to_thread(self._prepare, kind, raw)
+        except oa.APIError as err:
+            self.obs.reject(REJECTED.get(err.status, "invalid_request"))
             raise
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        rec = RequestRecord(rid, req.operation, arrival, tenant=req.cache_salt)
+        salt = auth.cache_salt(tenant, req.cache_salt)  # a client's salt narrows its tenant's
+        rec = RequestRecord(rid, req.operation, arrival, tenant=salt, tenant_name=tenant)
         rec.prompt_tokens, rec.max_tokens = len(ids), settings["max_new_tokens"]
         rec.temperature, rec.top_p = jreq.sampling.temperature, req.settings["top_p"]
         rec.seed = jreq.seed if req.seeded else None
         span = self.obs.start_span(rec, request.headers)
         try:
-            hit = await self._lookup(req, jreq, ids, rec)
-            if hit is not None:
-                return self._cached(req, rid, rec, hit, span)
+            found = await self._lookup(req, jreq, ids, rec)
+            if isinstance(found, Lookup):
+                return self._cached(req, rid, rec, found, span)
             self._admit(len(ids))
-            return await self._generate(req, rid, rec, ids, settings, jreq, span, request)
-        except BaseException as err:
+            return await Answer(self, req, rid, rec, ids, settings, found, span, request).reply()
+        except Exception as err:  # an answer in OpenAI's error JSON, the connection kept
+            if not isinstance(err, oa.APIError):
+                LOG.exception("request %s failed", rid)
+                err = oa.internal_error(err)
             if not rec.reported:
-                rec.error = str(err.status) if isinstance(err, oa.APIError) else type(err).__name__
-                self._report(rec, span)
+                rec.error = str(err.status)
+                self.report(rec, span)
+            raise err from None
+        except BaseException as err:  # cancelled: the server is stopping
+            if not rec.reported:
+                rec.error = type(err).__name__
+                self.report(rec, span)
             raise
+
+    def _prepare(self, kind: str, raw: bytes):
+        """A body -> (its request, the prompt's ids, the settings, their validated form)."""
+        req = oa.parse(
+            kind,
+            body.loads(raw),
+            chat_template=self.chat_template,
+            special=self.special,
+            max_chars=self.max_prompt_chars,
+        )
+        if req.model != self.name:
+            raise oa.APIError(
+                400,
+                f"model={req.model!r} is not served here; this server serves {self.name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        return req, *self._settings(req)
 
     def _settings(self, req: oa.ParsedRequest):
         """The prompt's ids, `jkv.generate`'s settings and their validated form, or 400."""
@@ -218,11 +296,14 @@ class Server:
                 f"max_queued_tokens={self.max_queued_tokens}",
             )
         max_tokens = req.max_tokens if req.max_tokens is not None else context - len(ids) + 1
-        settings = {**self.defaults, **req.settings, "max_new_tokens": max_tokens}
+        defaults = self.defaults
+        if "kv_policy" in req.settings:  # the server's budget belongs to the server's policy
+            defaults = {k: v for k, v in defaults.items() if k != "kv_budget"}
+        settings = {**defaults, **req.settings, "max_new_tokens": max_tokens}
         try:
             jreq = Settings.build(self.params, **settings)
         except ValueError as e:
-            raise oa.bad(_param(str(e)), str(e)) from None
+            raise oa.bad(oa.param_of(str(e), req.settings), str(e)) from None
         if len(ids) + max_tokens - 1 > context:
             raise oa.bad(
                 "max_tokens",
@@ -232,18 +313,17 @@ class Server:
             )
         return ids, settings, jreq
 
-    def _cache_settings(self, req, jreq) -> dict:
-        return {**front.request_settings(jreq, self.params), "cache_salt": req.cache_salt}
-
     async def _lookup(self, req, jreq, ids, rec):
+        """The response cache's hit (a `Lookup`), or the `Miss` the answer fills; None when
+        the request is not deterministic or there is no cache. In a worker (Redis)."""
         if self.cache is None or not req.seeded:
             return None
         t0 = time.monotonic()
-        found = await asyncio.to_thread(
-            self.cache.get, self.name, self.params.identity, ids, self._cache_settings(req, jreq)
-        )
+        key = front.key(self.params, jreq, salt=rec.tenant)
+        # no flight to join: a request that waited on another would hold a worker thread
+        found = await asyncio.to_thread(front.lookup, self.cache, key, ids, coalesce=False)
         rec.lookup = (t0, time.monotonic())
-        self.obs.lookup(None if found is None else found.level)
+        self.obs.lookup(found.level if isinstance(found, Lookup) else None)
         return found
 
     def _cached(self, req, rid, rec, hit, span):
@@ -255,7 +335,7 @@ class Server:
         rec.token(now, len(record.tokens))
         use = oa.usage(rec.prompt_tokens, len(record.tokens), 0, hit.level)
         headers = {"x-jkv-cache": hit.level, "x-request-id": rid}
-        self._report(rec, span)
+        self.report(rec, span)
         if not req.stream:
             body = oa.response(req, rid, record.text, record.finish_reason, use)
             return JSONResponse(body, headers=headers)
@@ -288,137 +368,29 @@ class Server:
         self.queued_requests += 1
         self.queued_tokens += tokens
 
-    async def _generate(self, req, rid, rec, ids, settings, jreq, span, request):
-        from fastapi.responses import JSONResponse, Response, StreamingResponse
+    def stop_requests(self) -> int:
+        """Ends every request still running with a `server_shutdown` error (streamed: an
+        error event, then [DONE]) and refuses new ones with 503: what a stopping server does
+        once its grace period is over. Returns how many were running. Call it on the loop."""
+        self.stopping.set()
+        if self.in_flight:
+            LOG.warning("stopping: %d requests still running end with 503", self.in_flight)
+        return self.in_flight
 
-        queued = [True]
-
-        def release():
-            if queued[0]:
-                queued[0] = False
-                self.queued_requests -= 1
-                self.queued_tokens -= len(ids)
-
-        outputs = self.engine.stream(ids, request_id=rid, cache_salt=req.cache_salt, **settings)
-        text: list[str] = []
-        tokens: list[int] = []
-        self.in_flight += 1
-
-        def take(out) -> None:
-            release()
-            now = time.monotonic()
-            rec.scheduled = out.scheduled_at if rec.scheduled is None else rec.scheduled
-            rec.cached_tokens = out.cached_tokens
-            rec.pages, rec.preemptions = out.pages or rec.pages, out.preemptions
-            rec.token(now, len(out.new_tokens))
-            tokens.extend(out.new_tokens)
-            text.append(out.text)
-            if out.finished:
-                rec.finish_reason = out.finish_reason
-
-        def finish() -> dict:
-            rec.finished = time.monotonic()
-            self._fill(req, jreq, ids, "".join(text), tokens, rec.finish_reason)
-            return oa.usage(len(ids), len(tokens), rec.cached_tokens, None)
-
-        def close(error: str | None = None) -> None:
-            release()
-            self.in_flight -= 1
-            rec.error = error
-            self._report(rec, span)
-
-        headers = {"x-jkv-cache": "miss", "x-request-id": rid}
-        try:
-            if not req.stream:
-
-                async def collect():
-                    async for out in outputs:
-                        take(out)
-
-                await _unless_gone(request, collect())
-                use = finish()
-                close()
-                body = oa.response(req, rid, "".join(text), rec.finish_reason, use)
-                return JSONResponse(body, headers=headers)
-            first = await _unless_gone(request, outputs.__anext__())
-        except ClientGone:
-            self.obs.aborted.inc()
-            close("client_disconnected")
-            return Response(status_code=499)
-        except ValueError as e:  # what the engine refuses (a policy it does not serve, ...)
-            close("400")
-            raise oa.bad(_param(str(e)), str(e)) from None
-        except BaseException as e:
-            close(type(e).__name__)
-            raise
-        take(first)
-
-        async def events():
-            done = False
-            try:
-                yield oa.sse(oa.chunk(req, rid, first.text, first.finish_reason, first=True))
-                async for out in outputs:  # ends after the finished one (none if first was)
-                    take(out)
-                    if out.text or out.finished:
-                        yield oa.sse(oa.chunk(req, rid, out.text, out.finish_reason))
-                use = finish()
-                if req.include_usage:
-                    yield oa.sse({**oa.chunk(req, rid, None, None), "choices": [], "usage": use})
-                yield oa.sse("[DONE]")
-                done = True
-            finally:
-                await outputs.aclose()  # an early exit aborts the request: its pages go back
-                if not done:
-                    self.obs.aborted.inc()
-                close(None if done else "client_disconnected")
-
-        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
-
-    def _fill(self, req, jreq, ids, text, tokens, finish_reason) -> None:
-        if self.cache is None or not req.seeded or finish_reason not in ("stop", "length"):
-            return
-        result = {"text": text, "tokens": tokens, "finish_reason": finish_reason}
-        try:
-            self.cache.put(
-                self.name, self.params.identity, ids, self._cache_settings(req, jreq), result
-            )
-        except Exception:  # the cache never fails an answer
-            LOG.exception("response cache fill failed")
-
-    def _report(self, rec, span) -> None:
+    def report(self, rec, span) -> None:
+        """A request's metrics, spans and log line (once)."""
         rec.reported = True
         self.obs.done(rec, span)
 
 
-async def _unless_gone(request, awaitable):
-    """`awaitable`'s result, or ClientGone (after cancelling it) if the client disconnects
-    first."""
-    work = asyncio.ensure_future(awaitable)
-
-    async def gone():
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                return
-
-    watch = asyncio.ensure_future(gone())
+def _checked_defaults(params, defaults: dict) -> dict:
+    """The server's defaults, checked as a request's body fields are (types, then values)."""
     try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not work.done():
-            work.cancel()
-            with contextlib.suppress(BaseException):
-                await work
-            if watch.done():
-                raise ClientGone()
-        watch.cancel()
-    return work.result()
-
-
-def _param(message: str) -> str | None:
-    """The setting a jkv error message names first ("top_p=2: ..." -> "top_p")."""
-    head = message.split("=", 1)[0]
-    return head if head.isidentifier() else None
+        typed = oa.jkv_settings(defaults)
+    except oa.APIError as e:
+        raise ValueError(e.message) from None
+    Settings.build(params, **{**defaults, **typed})  # raises ValueError naming the setting
+    return dict(defaults)
 
 
 def _special_tokens(params) -> dict:

@@ -1,4 +1,6 @@
-"""jkv.generate through the response cache: levels, keys that follow the settings, groups."""
+"""jkv.generate and jkv.stream through the response cache: levels, keys that follow the
+settings and what the model reads (token ids: whitespace the tokenizer keeps is another key),
+groups."""
 
 from __future__ import annotations
 
@@ -11,8 +13,7 @@ from tokenizers import pre_tokenizers
 
 import jkv
 from jkv.embedding import ModelEmbedder, fit_clusters
-from jkv.request import Request
-from jkv.response_cache.front import stream_cached
+from jkv.response_cache import front
 from jkv.tokenizer import Tokenizer
 
 
@@ -24,7 +25,8 @@ def params(tiny_params):
 def test_l1_then_model_and_settings_in_the_key(params):
     cache = jkv.ResponseCache()
     first = jkv.generate(params, "w1  w2\n w3", max_new_tokens=5, cache=cache)
-    again = jkv.generate(params, " w1 w2 w3 ", max_new_tokens=5, cache=cache)  # whitespace variant
+    # a whitespace variant this word-level tokenizer reads as the same ids: the same key
+    again = jkv.generate(params, " w1 w2 w3 ", max_new_tokens=5, cache=cache)
     assert first.cache is None and again.cache == "l1"
     assert again.tokens == first.tokens and again.text == first.text
     assert again.tokens == jkv.generate(params, "w1 w2 w3", max_new_tokens=5).tokens
@@ -45,7 +47,7 @@ def test_batch_generates_only_misses(params):
     out = jkv.generate(params, ["w4 w5 w6", "w7 w8"], max_new_tokens=4, cache=cache)
     assert [r.cache for r in out] == ["l1", None]
     assert out[1].tokens == jkv.generate(params, "w7 w8", max_new_tokens=4).tokens
-    assert cache.stats()["generations"] == 1  # the batch's miss is put, not counted as a flight
+    assert cache.stats()["generations"] == 2  # every fill of a generated answer counts
 
 
 def test_two_nodes_share_l2(params, redis_url):
@@ -135,6 +137,33 @@ def test_coalesced_callers_are_not_generations(params):
 
 
 # --------------------------------------------------------------------------- the prompt the model sees
+@pytest.fixture(scope="module")
+def spaced(params):
+    """The params with a tokenizer that splits on spaces only: a newline is part of a word (an
+    unknown one), so whitespace changes what the model reads."""
+    inner = HFTokenizer.from_str(params.tokenizer.to_str())
+    inner.pre_tokenizer = pre_tokenizers.Split(" ", behavior="removed")
+    tok = params.tokenizer
+    spaced = Tokenizer(inner, bos_token_id=tok.bos_token_id, eos_token_ids=tok.eos_token_ids)
+    return params.replace(tokenizer=spaced)
+
+
+def test_whitespace_the_tokenizer_keeps_is_another_key(spaced):
+    raw, flat = "w1\nw2 w3  w4", "w1 w2 w3 w4"
+    want = {p: jkv.generate(spaced, p, max_new_tokens=6).tokens for p in (raw, flat)}
+    assert want[raw] != want[flat]  # precondition: the model reads them differently
+    cache = jkv.ResponseCache()
+    got = jkv.generate(spaced, raw, max_new_tokens=6, cache=cache)
+    assert got.cache is None and got.tokens == want[raw]
+    other = jkv.generate(spaced, flat, max_new_tokens=6, cache=cache)
+    assert other.cache is None and other.tokens == want[flat]  # not raw's answer
+    again = jkv.generate(spaced, raw, max_new_tokens=6, cache=cache)
+    assert again.cache == "l1" and again.tokens == want[raw]
+    # a tokenizer that sees some whitespace gets exact keys: a run of spaces it would drop
+    # is a needless miss, never a wrong hit
+    assert jkv.generate(spaced, "w1 w2  w3 w4", max_new_tokens=6, cache=cache).cache is None
+
+
 class CountingTokenizer(Tokenizer):
     """The real tokenizer, counting how often a prompt is encoded."""
 
@@ -145,48 +174,38 @@ class CountingTokenizer(Tokenizer):
         return super().encode(text, **kwargs)
 
 
-@pytest.fixture(scope="module")
-def spaced(params):
-    """The params with a tokenizer that splits on spaces only: a newline is part of a word (an
-    unknown one), so whitespace changes what the model reads."""
-    inner = HFTokenizer.from_str(params.tokenizer.to_str())
-    inner.pre_tokenizer = pre_tokenizers.Split(" ", behavior="removed")
-    tok = params.tokenizer
-    counting = CountingTokenizer(
-        inner, bos_token_id=tok.bos_token_id, eos_token_ids=tok.eos_token_ids
-    )
-    return params.replace(tokenizer=counting)
-
-
-def test_the_model_sees_the_prompt_exactly_and_the_key_is_normalised(spaced):
-    raw, flat = "w1\nw2 w3  w4", "w1 w2 w3 w4"
-    want = jkv.generate(spaced, raw, max_new_tokens=6)
-    assert want.tokens != jkv.generate(spaced, flat, max_new_tokens=6).tokens  # precondition
+def test_a_tokenizer_blind_to_whitespace_keys_normalised_text_and_hits_do_not_tokenise(params):
+    tok = params.tokenizer  # word-level, split at whitespace: it cannot see any
+    counting = CountingTokenizer(tok.inner, bos_token_id=tok.bos_token_id,
+                                 eos_token_ids=tok.eos_token_ids)  # fmt: skip
+    blind = params.replace(tokenizer=counting)
+    chars, _ = front.blind_whitespace(counting)
+    assert " " in chars and "\n" in chars and "\x1c" not in chars  # str.split's, not its
     cache = jkv.ResponseCache()
-    got = jkv.generate(spaced, raw, max_new_tokens=6, cache=cache)
-    assert got.cache is None and got.tokens == want.tokens
-    hit = jkv.generate(spaced, flat, max_new_tokens=6, cache=cache)
-    assert hit.cache == "l1" and hit.tokens == want.tokens
-
-
-def test_a_hit_does_not_tokenise(spaced):
-    cache = jkv.ResponseCache()
-    jkv.generate(spaced, "w5 w6", max_new_tokens=3, cache=cache)
+    made = jkv.generate(blind, "w5 w6", max_new_tokens=3, cache=cache)
     before = CountingTokenizer.encoded
-    assert jkv.generate(spaced, " w5  w6", max_new_tokens=3, cache=cache).cache == "l1"
-    batch = jkv.generate(spaced, ["w5 w6", "w5\tw6"], max_new_tokens=3, cache=cache)
-    assert [r.cache for r in batch] == ["l1", "l1"]
+    assert jkv.generate(blind, " w5 \n w6\t", max_new_tokens=3, cache=cache).cache == "l1"
+    batch = jkv.generate(blind, ["w5 w6", "w5\u3000w6"], max_new_tokens=3, cache=cache)
+    assert [r.cache for r in batch] == ["l1", "l1"] and batch[1].tokens == made.tokens
     assert CountingTokenizer.encoded == before
+    # U+001C splits for str.split, not for this tokenizer: normalising it would change ids
+    odd = "w5\x1cw6"
+    assert jkv.generate(blind, odd, max_new_tokens=3).tokens != made.tokens  # precondition
+    assert jkv.generate(blind, odd, max_new_tokens=3, cache=cache).cache is None
 
 
 def test_batch_rows_keep_their_text_and_equal_keys_generate_once(spaced):
     raw = "w7\nw8 w9"
     cache = jkv.ResponseCache()
-    out = jkv.generate(spaced, [raw, "w2 w3", " w2 w3"], max_new_tokens=5, cache=cache)
+    out = jkv.generate(spaced, [raw, "w2 w3", "w2 w3"], max_new_tokens=5, cache=cache)
     assert [r.cache for r in out] == [None, None, "coalesced"]
     assert out[0].tokens == jkv.generate(spaced, raw, max_new_tokens=5).tokens
     assert out[2].tokens == out[1].tokens and out[2].kv_bytes == out[1].kv_bytes
-    assert jkv.generate(spaced, "w7 w8 w9", max_new_tokens=5, cache=cache).tokens == out[0].tokens
+    flat = jkv.generate(spaced, "w7 w8 w9", max_new_tokens=5, cache=cache)
+    assert (
+        flat.cache is None
+        and flat.tokens == jkv.generate(spaced, "w7 w8 w9", max_new_tokens=5).tokens
+    )
 
 
 def test_batch_errors_name_the_row(params):
@@ -199,15 +218,6 @@ def test_batch_errors_name_the_row(params):
 
 
 # --------------------------------------------------------------------------- streaming
-def two_pieces(params, prompt, req):
-    """A stream function on jkv.generate: the text in two pieces, then the result."""
-    res = jkv.generate(params, prompt, max_new_tokens=req.max_new_tokens)
-    half = len(res.text) // 2
-    yield res.text[:half]
-    yield res.text[half:]
-    return res
-
-
 def _drain(gen):
     pieces = []
     while True:
@@ -217,22 +227,22 @@ def _drain(gen):
             return pieces, stop.value
 
 
-def test_stream_cached_streams_a_miss_and_answers_a_hit_in_one_piece(params, redis_url):
-    req = Request.build(params, **{"max_new_tokens": 6})
+def test_a_stream_streams_a_miss_and_answers_a_hit_in_one_piece(params, redis_url):
     want = jkv.generate(params, "w4 w4 w2", max_new_tokens=6)
     with jkv.ResponseCache(redis_url, node_id="s1") as a, jkv.ResponseCache(redis_url) as b:
-        pieces, made = _drain(stream_cached(params, "w4 w4 w2", req, a, two_pieces))
-        assert len(pieces) == 2 and "".join(pieces) == want.text and made.cache is None
+        pieces, made = _drain(jkv.stream(params, "w4 w4 w2", max_new_tokens=6, cache=a))
+        assert len(pieces) > 1 and "".join(pieces) == want.text and made.cache is None
         for cache, level in ((a, "l1"), (b, "l2")):
-            pieces, hit = _drain(stream_cached(params, " w4 w4\nw2", req, cache, two_pieces))
+            stream = jkv.stream(params, " w4 w4\nw2", max_new_tokens=6, cache=cache)
+            pieces, hit = _drain(stream)
             assert pieces == [want.text] and hit.cache == level and hit.tokens == want.tokens
+        # one key for generate and stream: the stream's answer is generate's hit
         assert jkv.generate(params, "w4 w4 w2", max_new_tokens=6, cache=a).cache == "l1"
 
 
 def test_a_stream_closed_early_stores_nothing(params):
-    req = Request.build(params, **{"max_new_tokens": 6})
     cache = jkv.ResponseCache()
-    stream = stream_cached(params, "w6 w6 w6", req, cache, two_pieces)
+    stream = jkv.stream(params, "w6 w6 w6", max_new_tokens=6, cache=cache)
     next(stream)
     stream.close()
     assert jkv.generate(params, "w6 w6 w6", max_new_tokens=6, cache=cache).cache is None

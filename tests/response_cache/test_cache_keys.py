@@ -30,13 +30,22 @@ maybe_spaces = st.text(st.sampled_from(" \t\n\r"), max_size=3)
 
 
 @given(st.lists(words, min_size=1, max_size=8), st.data())
-def test_whitespace_variants_share_one_key(ws, data):
+def test_whitespace_variants_share_one_key_when_normalisation_is_asked_for(ws, data):
     canonical = " ".join(ws)
     variant = data.draw(maybe_spaces)
     for w in ws:
         variant += w + data.draw(spaces)
     assert normalize_prompt(variant) == canonical
-    assert request_hash("t", "v1", variant, BASE) == request_hash("t", "v1", canonical, BASE)
+    norm = {"normalize_whitespace": True}
+    assert request_hash("t", "v1", variant, BASE, **norm) == request_hash(
+        "t", "v1", canonical, BASE, **norm
+    )
+    # by default a text is hashed as the model would read it: whitespace counts
+    if variant != canonical:
+        assert request_hash("t", "v1", variant, BASE) != request_hash("t", "v1", canonical, BASE)
+    assert request_hash("t", "v1", canonical, BASE) != request_hash(
+        "t", "v1", canonical, BASE, **norm
+    )
 
 
 def _changed(value):
@@ -106,12 +115,15 @@ def test_settings_memo_never_confuses_equal_but_different_values():
 def test_hash_is_stable_across_releases():
     # Changing this value breaks every stored key: bump KEY_SCHEMA instead.
     digest = request_hash("default", "v1", "Hello world", {"temperature": 0.0})
-    assert digest == request_hash("default", "v1", " Hello\n world ", {"temperature": 0.0})
-    assert K.KEY_SCHEMA == 1
-    header = b'["jkv-key",1,"default","v1",{"temperature":0.0}]'
+    assert K.KEY_SCHEMA == 2  # 2: text is hashed exactly ("s"), or normalised if asked ("w")
+    header = b'["jkv-key",2,"default","v1",{"temperature":0.0}]'
     framed = len(header).to_bytes(8, "little") + header + b"s" + b"Hello world"
     assert digest == hashlib.sha256(framed).hexdigest()
-    assert digest == "744cd01a48c98b4070f3179f149274f2c982e38993b13c6c47fb33b442e977c2"
+    assert digest == "7c96c753f1474d3e5308116206ae5c4ac06bfe154f82a61a200ba755b94bdd5f"
+    spaced = request_hash("default", "v1", " Hello\n world ", {"temperature": 0.0},
+                          normalize_whitespace=True)  # fmt: skip
+    normalised = len(header).to_bytes(8, "little") + header + b"w" + b"Hello world"
+    assert spaced == hashlib.sha256(normalised).hexdigest()
 
 
 def test_key_format_and_hash_tag():
@@ -154,7 +166,11 @@ def test_settings_objects_key_like_their_mapping():
     settings = K.Settings(BASE)
     assert settings == BASE and settings.cacheable and dict(settings) == BASE
     hasher = K.KeyHasher()
-    assert hasher.digest("t", "v1", "p q", settings) == request_hash("t", "v1", "p  q", BASE)
+    assert hasher.digest("t", "v1", "p q", settings) == request_hash("t", "v1", "p q", BASE)
+    normalising = K.KeyHasher(normalize_whitespace=True)
+    assert normalising.digest("t", "v1", "p q", settings) == request_hash(
+        "t", "v1", "p  q", BASE, normalize_whitespace=True
+    )
     assert not K.Settings({"temperature": 0.5}).cacheable
     with pytest.raises(ValueError, match=r"settings\['top_p'\]=inf"):
         K.Settings({**BASE, "top_p": float("inf")})

@@ -47,7 +47,7 @@ def cache(request):
 def test_flow_model_then_l1(cache):
     model = Model()
     first = cache.get_or_generate("demo", "v1", "Hello  there", SETTINGS, model("x"))
-    again = cache.get_or_generate("demo", "v1", "\tHello there\n", SETTINGS, model("x"))
+    again = cache.get_or_generate("demo", "v1", "Hello  there", SETTINGS, model("x"))
     assert (first.level, again.level, model.calls) == (None, "l1", 1)
     assert again.record == first.record
     assert first.record.text == "answer:x" and first.record.tokens == (7, 8)
@@ -55,6 +55,50 @@ def test_flow_model_then_l1(cache):
     stats = cache.stats()
     assert stats["hits"]["l1"] == 1 and stats["misses"] == 1 and stats["generations"] == 1
     assert stats["latency"]["get_seconds"]["count"] == 2
+
+
+def test_text_is_keyed_exactly_unless_normalisation_is_asked_for():
+    model = Model()
+    with ResponseCache() as exact, ResponseCache(normalize_whitespace=True) as loose:
+        for cache, level in ((exact, None), (loose, "l1")):
+            cache.get_or_generate("demo", "v1", "Hello  there", SETTINGS, model("x"))
+            found = cache.get_or_generate("demo", "v1", "\tHello there\n", SETTINGS, model("y"))
+            assert found.level == level
+    assert model.calls == 3  # twice by the exact cache, once by the normalising one
+    with pytest.raises(ValueError, match="normalize_whitespace=1"):
+        ResponseCache(normalize_whitespace=1)
+
+
+def test_lookup_then_fill_is_get_or_generate_without_the_call(cache):
+    found = cache.lookup("demo", "v1", [5, 6, 7], SETTINGS)
+    assert found.cached and not found.done
+    waiter = []
+    thread = threading.Thread(
+        target=lambda: waiter.append(cache.lookup("demo", "v1", [5, 6, 7], SETTINGS))
+    )
+    thread.start()  # an identical lookup waits for the fill (a coalescing miss leads)
+    time.sleep(0.05)
+    assert thread.is_alive()
+    record = found.fill({"text": "t", "tokens": [1], "finish_reason": "stop"})
+    thread.join(10)
+    assert waiter[0].level == "coalesced" and waiter[0].record == record
+    assert cache.lookup("demo", "v1", [5, 6, 7], SETTINGS).level == "l1"
+    # abandoned: the waiters raise, nothing is cached
+    miss = cache.lookup("demo", "v1", [8], SETTINGS)
+    with pytest.raises(RuntimeError, match="exploded"):
+        with miss:
+            raise RuntimeError("exploded")
+    again = cache.lookup("demo", "v1", [8], SETTINGS)
+    assert miss.done and not isinstance(again, tuple)  # a miss again: nothing was cached
+    again.abandon()
+    # not deterministic: a miss to fill that stores nothing
+    sampled = cache.lookup("demo", "v1", [9], {**SETTINGS, "temperature": 0.7})
+    assert not sampled.cached
+    sampled.fill({"text": "s", "tokens": [2], "finish_reason": "stop"})
+    assert (
+        not sampled.cached
+        and cache.get("demo", "v1", [9], {**SETTINGS, "temperature": 0.7}) is None
+    )
 
 
 def test_l2_hit_fills_l1(redis_url):
