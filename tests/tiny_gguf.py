@@ -1,7 +1,8 @@
 """Tiny GGUF files written with the `gguf` package's own writer from tiny random Hugging Face
 checkpoints (tests/tiny_hf.py): the tensors renamed by gguf's own name map, Q and K permuted as
 llama.cpp's convert_hf_to_gguf.py does, each tensor in the type asked, and a byte-level BPE
-tokenizer trained here on English text that ships with Python (pydoc's topics).
+tokenizer trained here on English text that ships with Python (pydoc's topics,
+`jkv.demo.real_text`).
 
 Test fixture module (imported as `tiny_gguf`); imports gguf, torch and tokenizers lazily.
 """
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from jkv.demo.real_text import english_text
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 BPE_VOCAB = 384  # 256 bytes + 3 specials + 125 merges
@@ -20,13 +23,6 @@ CHATML = (
 )
 # tiny_hf kind -> general.architecture (llama.cpp writes Mistral models as "llama")
 GGUF_ARCH = {"llama": "llama", "llama_tied": "llama", "mistral": "llama", "qwen2": "qwen2"}
-
-
-def english_text(chars: int = 200_000) -> str:
-    """English prose from CPython's own documentation (pydoc's topics), `chars` long."""
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[k] for k in sorted(topics))[:chars]
 
 
 def bpe_tokenizer(vocab_size: int = BPE_VOCAB):
