@@ -58,6 +58,8 @@ def write_tiny_gguf(
     architecture: str | None = None,
     pre: str = "gpt2",
     tokenizer=None,
+    tokenizer_model: str = "gpt2",
+    extra: tuple[str, ...] = (),
 ) -> Path:
     """Writes the HF checkpoint in `hf_folder` (a tiny_hf one with a BPE_VOCAB vocabulary) as
     the GGUF file `path`.
@@ -65,7 +67,8 @@ def write_tiny_gguf(
     qtypes: GGUF tensor name suffix (e.g. "attn_q.weight", "token_embd.weight") -> GGML type
     name ("F32", "F16", "Q8_0", "Q4_1", ...); other tensors get `default_qtype` (norms stay F32,
     as llama.cpp keeps 1-D tensors). `skip`: GGUF names left out; `architecture`: written as
-    general.architecture instead of the kind's.
+    general.architecture instead of the kind's; `tokenizer_model`: tokenizer.ggml.model;
+    `extra`: names of extra F32 tensors written (e.g. "rope_freqs.weight", [head_dim / 2] ones).
     """
     import gguf
     import numpy as np
@@ -95,7 +98,7 @@ def write_tiny_gguf(
     vocab = data["model"]["vocab"]
     tokens = sorted(vocab, key=vocab.get)
     merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
-    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_model(tokenizer_model)
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_merges(merges)
@@ -125,6 +128,8 @@ def write_tiny_gguf(
             continue
         q = gguf.GGMLQuantizationType[qtype]
         writer.add_tensor(name, gguf.quants.quantize(w, q), raw_dtype=q)
+    for name in extra:
+        writer.add_tensor(name, np.ones(cfg["hidden_size"] // n_head // 2, np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

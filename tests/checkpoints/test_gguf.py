@@ -159,6 +159,8 @@ def _truncated(path, tmp_path):
         ("missing", "lacks tensor 'blk.1.ffn_up.weight'"),
         ("type", "tensor 'blk.0.attn_v.weight' is stored as I32"),
         ("pre", "tokenizer.ggml.pre='klingon'"),
+        ("sentencepiece", "tokenizer.ggml.model='llama' is not supported"),
+        ("rope_freqs", "holds rope_freqs.weight"),
     ],
 )
 def test_bad_files_are_refused_naming_what_is_wrong(make, tmp_path, case, message):
@@ -173,8 +175,12 @@ def test_bad_files_are_refused_naming_what_is_wrong(make, tmp_path, case, messag
         path = make("llama", skip=("blk.1.ffn_up.weight",))[0]
     elif case == "type":
         path = make("llama", qtypes={"blk.0.attn_v.weight": "I32"})[0]
-    else:
+    elif case == "pre":
         path = make("llama", pre="klingon")[0]
+    elif case == "sentencepiece":
+        path = make("llama", tokenizer_model="llama")[0]
+    else:
+        path = make("llama", extra=("rope_freqs.weight",))[0]
     with pytest.raises(ValueError, match=message) as err:
         jkv.load(path)
     assert str(path) in str(err.value)
