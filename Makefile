@@ -57,8 +57,17 @@ train-demo: $(DEV_STAMP)
 	  && cp tmp/demo-final/training.json models/demo/; \
 	else echo "training stopped before the end: run 'make train-demo' again to continue"; fi
 
-bench: $(BENCH_STAMP)
+# llama.cpp, the CPU peer of decode_cpu.py's SmolLM2 rows: llama-cpp-python built from its PyPI
+# source distribution in an environment of its own (never a jkv dependency).
+LLAMACPP_VENV := .venv-llamacpp
+$(LLAMACPP_VENV)/bin/python:
+	$(PYTHON) -m venv $(LLAMACPP_VENV)
+	$(LLAMACPP_VENV)/bin/pip install -q --no-binary llama-cpp-python "llama-cpp-python==0.3.36"
+
+bench: $(BENCH_STAMP) $(LLAMACPP_VENV)/bin/python
 	$(PY) benchmarks/decode_cpu.py
+	$(PY) benchmarks/decode_cpu.py --configs smollm2 smollm2-bf16 --batches 1 --prompt 256 \
+	  --new-tokens 64 --llamacpp-python $(LLAMACPP_VENV)/bin/python
 	$(PY) benchmarks/kernels_cpu.py
 	$(PY) benchmarks/kv_memory.py
 
@@ -79,4 +88,4 @@ lint: $(DEV_STAMP)
 	$(PY) -m ruff format --check .
 
 clean:
-	rm -rf $(VENV) $(PEER_VENV) build *.egg-info
+	rm -rf $(VENV) $(PEER_VENV) $(LLAMACPP_VENV) build *.egg-info
