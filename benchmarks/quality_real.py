@@ -90,7 +90,9 @@ def jkv_needles(params, items, spec, ratio, mode):
     for it in items:
         if mode == "agnostic" and kw:
             state = jkv.prefill(params, it.context_ids, **kw)
-            out = jkv.generate(params, it.question_ids, kv_state=state, max_new_tokens=ANSWER_TOKENS)
+            out = jkv.generate(
+                params, it.question_ids, kv_state=state, max_new_tokens=ANSWER_TOKENS
+            )
         else:
             out = jkv.generate(params, it.context_ids + it.question_ids,
                                max_new_tokens=ANSWER_TOKENS, **kw)  # fmt: skip
@@ -111,7 +113,9 @@ def jkv_text(params, pairs, spec, ratio):
     for ctx, held in pairs:
         state = jkv.prefill(params, ctx[:-1], **kw)
         nll.extend(-score(params, ctx[-1:] + held, kv_state=state))
-        conts.append(jkv.generate(params, ctx[-1:], kv_state=state, max_new_tokens=CONT_TOKENS).text)
+        conts.append(
+            jkv.generate(params, ctx[-1:], kv_state=state, max_new_tokens=CONT_TOKENS).text
+        )
     return float(np.mean(nll)), conts
 
 
@@ -175,7 +179,8 @@ def settings(policies, ratios):
             yield spec, ratio
 
 
-def run(args) -> list[dict]:
+def run(args, save=lambda rows: None) -> list[dict]:
+    """Every row of the grid; `save(rows)` after each (a long run stopped keeps what it did)."""
     import jkv
 
     params = jkv.load(args.model)
@@ -205,6 +210,7 @@ def run(args) -> list[dict]:
                                    right=right, rate=right / n, se=se(right / n, n),
                                    seconds=time.perf_counter() - t0, answers=shown[:3])  # fmt: skip
                         rows.append(row)
+                        save(rows)
                         print(f"{who:<8} {task:<8} {context:>5} {row['policy']:<36} {ratio:>5.0%} "
                               f"{mode:<8} {right:>3}/{n} ({row['rate']:.2f} ± {row['se']:.2f})"
                               f"  {row['seconds']:.0f}s", flush=True)  # fmt: skip
@@ -229,6 +235,7 @@ def run(args) -> list[dict]:
                                rouge_l=sum(rouge) / len(rouge),
                                rouge_se=_sd(rouge) / math.sqrt(len(rouge)))  # fmt: skip
                     rows.append(row)
+                    save(rows)
                     print(f"{who:<8} text     {context:>5} {row['policy']:<36} {ratio:>5.0%} "
                           f"ppl x{row['ppl_ratio']:.3f}  ROUGE-L {row['rouge_l']:.2f}", flush=True)  # fmt: skip
     return rows
@@ -325,14 +332,25 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.table:
-        rows = run(args)
         meta = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-        (args.out / f"{args.stem}.json").write_text(json.dumps({"args": meta, "rows": rows}, indent=1))
+        path = args.out / f"{args.stem}.json"
+
+        def save(rows):
+            path.write_text(json.dumps({"args": meta, "rows": rows}, indent=1))
+
+        rows = run(args, save)
+        save(rows)
         print(markdown(rows))
         return 0
-    rows = []
+    rows, seen = [], set()
     for f in sorted(args.out.glob("quality_real*.json")):
-        rows += json.loads(f.read_text())["rows"]
+        for r in json.loads(f.read_text())["rows"]:
+            key = tuple(
+                r.get(k) for k in ("kind", "task", "context", "who", "policy", "ratio", "mode")
+            )
+            if key not in seen:  # a setting run again (the full cache in every file): the first
+                seen.add(key)
+                rows.append(r)
     (args.out / "quality_real.md").write_text(markdown(rows))
     plot(rows, args.out / "quality_real.png")
     print(markdown(rows))

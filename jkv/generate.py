@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jkv import compile_time
-from jkv.chat import chat_prompt
 from jkv import kv as kvlib
+from jkv.chat import chat_prompt
 from jkv.core.sampling import SamplingArrays
 from jkv.decode import decode, start
 from jkv.kv import bucket
@@ -294,8 +294,10 @@ def chat(params: Params, messages, *, kv_state=None, cache=None, **settings):
     Raises:
       ValueError: naming the bad message or setting.
     """
-    if isinstance(messages, list | tuple) and messages and all(
-        isinstance(m, list | tuple) for m in messages
+    if (
+        isinstance(messages, list | tuple)
+        and messages
+        and all(isinstance(m, list | tuple) for m in messages)
     ):
         prompts = [chat_prompt(params, m) for m in messages]
     else:

@@ -22,7 +22,9 @@ CONVERSATION = [
 
 @pytest.fixture(scope="module")
 def tiny_gguf_file(tmp_path_factory):
-    folder = write_tiny_checkpoint(tmp_path_factory.mktemp("chat_src"), "llama", vocab_size=BPE_VOCAB)
+    folder = write_tiny_checkpoint(
+        tmp_path_factory.mktemp("chat_src"), "llama", vocab_size=BPE_VOCAB
+    )
     return write_tiny_gguf(tmp_path_factory.mktemp("chat") / "m.gguf", folder, "llama")
 
 
@@ -33,14 +35,19 @@ def test_rendering_matches_transformers_apply_chat_template(tiny_gguf_file):
     )
     for messages in (QUESTION, CONVERSATION):
         want = ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        assert params.tokenizer.decode(chat_prompt(params, messages), skip_special_tokens=False) == want
+        assert (
+            params.tokenizer.decode(chat_prompt(params, messages), skip_special_tokens=False)
+            == want
+        )
         assert chat_prompt(params, messages) == ref.encode(want, add_special_tokens=False)
 
 
 def test_chat_is_generate_of_the_rendered_prompt_and_batches(tiny_gguf_file):
     params = jkv.load(tiny_gguf_file)
     one = jkv.chat(params, QUESTION, max_new_tokens=6)
-    assert one.tokens == jkv.generate(params, chat_prompt(params, QUESTION), max_new_tokens=6).tokens
+    assert (
+        one.tokens == jkv.generate(params, chat_prompt(params, QUESTION), max_new_tokens=6).tokens
+    )
     both = jkv.chat(params, [QUESTION, CONVERSATION], max_new_tokens=6)
     assert both[0].tokens == one.tokens
     assert both[1].tokens == jkv.chat(params, CONVERSATION, max_new_tokens=6).tokens

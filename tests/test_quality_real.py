@@ -59,6 +59,8 @@ def test_needles_are_planted_where_asked_and_scored(tmp_path):
         assert abs(at - depth) < 0.2, (depth, at)
         assert sum(f"magic numbers for {k} is:" in text for k in KEYS) == 4
         question = params.tokenizer.decode(n.question_ids, skip_special_tokens=False)
-        assert question.endswith(f"The special magic number for {n.key} mentioned in the provided text is")
+        assert question.endswith(
+            f"The special magic number for {n.key} mentioned in the provided text is"
+        )
     assert answered(" 43936.", "43936") and answered(" 4 3 9 3 6", "43936")
     assert not answered(" 43922.", "43936") and not answered("none", "43936")

@@ -44,7 +44,11 @@ def bpe_tokenizer(vocab_size: int = BPE_VOCAB):
 
 def permute(w, n_head: int):
     """llama.cpp's `LlamaModel.permute` (convert_hf_to_gguf.py), HF layout -> GGUF layout."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def write_tiny_gguf(

@@ -228,7 +228,9 @@ def _entries(tensors: dict, config: ModelConfig, source: str):
     for tensor_name, tensor in tensors.items():
         found = to_hf(tensor_name)
         if found is None:
-            raise ValueError(f"{source}: unexpected tensor {tensor_name!r} for {config.architecture}")
+            raise ValueError(
+                f"{source}: unexpected tensor {tensor_name!r} for {config.architecture}"
+            )
         hf_name, heads = found
         path, rule = hf.to_path(hf_name)
         if path == "lm_head/kernel" and config.tie_word_embeddings:

@@ -40,7 +40,9 @@ def sentences() -> tuple[str, ...]:
     for key in sorted(topics):
         for para in topics[key].split("\n\n"):
             lines = [x.strip() for x in para.splitlines()]
-            if not lines or any(not x or x.startswith((">>>", "...", "*", "+", "|", "=")) for x in lines):
+            if not lines or any(
+                not x or x.startswith((">>>", "...", "*", "+", "|", "=")) for x in lines
+            ):
                 continue
             text = " ".join(lines)
             if text.count(" ") < 6 or not text[0].isupper():
