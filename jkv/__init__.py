@@ -10,7 +10,7 @@ from jkv.checkpoints import convert, load
 from jkv.checkpoints import save as _save
 from jkv.checkpoints.export import export_hf
 from jkv.engine.engine import Engine, RequestOutput
-from jkv.generate import generate, stream
+from jkv.generate import chat, generate, stream
 from jkv.memory import MemoryReport, memory
 from jkv.output import GenerationResult
 from jkv.params import Params
@@ -52,6 +52,7 @@ __all__ = [
     "SnapKV",
     "SnapKVSegments",
     "StreamingLLM",
+    "chat",
     "convert",
     "embedding",
     "export_hf",

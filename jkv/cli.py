@@ -14,7 +14,8 @@ from pathlib import Path
 
 import jkv
 from jkv import __version__
-from jkv.checkpoints import DEMO_DIR, default_name
+from jkv.checkpoints import DEMO_DIR, SMOLLM2, default_name, smollm2_file
+from jkv.checkpoints import gguf as gguf_file
 from jkv.checkpoints.hf import check_headers
 from jkv.checkpoints.orbax import MARKER, config_from_json, read_meta
 from jkv.compile_time import compile_cache_dir, use_compile_cache
@@ -74,8 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_sampling(g)
 
-    c = sub.add_parser("convert", help="convert a Hugging Face checkpoint to a jkv folder")
-    c.add_argument("hf_dir")
+    c = sub.add_parser("convert", help="convert an HF folder or a GGUF file to a jkv folder")
+    c.add_argument("source", help="a Hugging Face folder, a .gguf file or 'smollm2'")
     c.add_argument("out_dir")
     c.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
     c.add_argument("--name", default=None)
@@ -121,7 +122,10 @@ def _budget(text: str) -> int | float:
 def _read_config(model: str) -> tuple[ModelConfig, str]:
     """The config of a preset or a checkpoint folder, without loading any weights."""
 
-    path = DEMO_DIR if model == "demo" else Path(model)
+    path = {"demo": DEMO_DIR, SMOLLM2: None}.get(model, Path(model))
+    path = smollm2_file() if path is None else path
+    if path.is_file() and gguf_file.is_gguf(path):
+        return gguf_file.check_headers(path), "gguf"
     if path.is_dir():
         if (path / MARKER).is_file():
             meta = read_meta(path)
@@ -174,7 +178,7 @@ def cmd_info(args) -> int:
 
 def cmd_convert(args) -> int:
     out = jkv.convert(
-        args.hf_dir,
+        args.source,
         args.out_dir,
         dtype=args.dtype,
         name=args.name,

@@ -18,6 +18,7 @@ import numpy as np
 
 from jkv import compile_time
 from jkv import kv as kvlib
+from jkv.chat import chat_prompt
 from jkv.core.sampling import SamplingArrays
 from jkv.decode import decode, start
 from jkv.kv import bucket
@@ -168,7 +169,10 @@ class Session:
             self.advance(chunk)
 
     def results(self) -> list[GenerationResult]:
-        kv_bytes = kvlib.nbytes(self.state.kv)
+        # Every array of the dense state has the batch as its leading axis, the same capacity
+        # for every row: a row's share of the allocation is the batch's over B.
+        batch_bytes = kvlib.nbytes(self.state.kv)
+        kv_bytes = batch_bytes // len(self.prompt_lengths)
         generated = int(np.asarray(self.state.count).sum())
         decoded = generated - len(self.prompt_lengths)  # the first token comes from prefill
         compiled, hits = (
@@ -180,7 +184,7 @@ class Session:
             "prefill_s": self.prefill_s,
             "decode_s": self.decode_s,
             "decode_tokens_per_s": decoded / self.decode_s if self.decode_s > 0 else 0.0,
-            "kv_bytes_used": kvlib.used_bytes(self.state.kv),
+            "batch_kv_bytes": batch_bytes,  # the whole batch's allocation
             "kv_bookkeeping_bytes": kvlib.bookkeeping_bytes(self.state.kv),
             "kv_capacity": [x.capacity for x in self.state.kv.layers],
             "kv_policy": None if self.policy is None else self.policy.describe(),
@@ -206,7 +210,12 @@ class Session:
                     tokens=ids,
                     finish_reason=reason,
                     kv_bytes=kv_bytes,
-                    stats={**stats_common, "prompt_tokens": plen, "generated_tokens": len(ids)},
+                    stats={
+                        **stats_common,
+                        "kv_bytes_used": kvlib.used_bytes(self.state.kv, i),
+                        "prompt_tokens": plen,
+                        "generated_tokens": len(ids),
+                    },
                 )
             )
         return out
@@ -312,6 +321,33 @@ def run(params: Params, prompts: list[list[int]], req: Request, kv_state=None):
     return session.results()
 
 
+def chat(params: Params, messages, *, kv_state=None, cache=None, **settings):
+    """`generate` of a conversation: the messages rendered by the model's chat template
+    (`params.tokenizer.chat_template`, as the server renders them; `jkv.chat` module), the
+    model writing the assistant's turn.
+
+    Args:
+      messages: a list of {"role", "content"} dicts ("system", "user", "assistant", ...), or
+        a list of such lists (a batch, as `generate`'s list of prompts).
+      The other arguments are `generate`'s.
+
+    Returns:
+      A `GenerationResult`, or a list of them for a batch.
+
+    Raises:
+      ValueError: naming the bad message or setting.
+    """
+    if (
+        isinstance(messages, list | tuple)
+        and messages
+        and all(isinstance(m, list | tuple) for m in messages)
+    ):
+        prompts = [chat_prompt(params, m) for m in messages]
+    else:
+        prompts = chat_prompt(params, messages)
+    return generate(params, prompts, kv_state=kv_state, cache=cache, **settings)
+
+
 def stream(params: Params, prompt, *, kv_state=None, cache=None, **settings) -> Iterator[str]:
     """Yields the text of one prompt's continuation piece by piece as it decodes.
 
@@ -366,6 +402,9 @@ def stream_pieces(params: Params, prompt, req: Request, kv_state=None):
 
 generate.__signature__ = signature(
     generate, before=("params", "prompt"), after={"kv_state": None, "cache": None}
+)
+chat.__signature__ = signature(
+    chat, before=("params", "messages"), after={"kv_state": None, "cache": None}
 )
 stream.__signature__ = signature(
     stream, before=("params", "prompt"), after={"kv_state": None, "cache": None}

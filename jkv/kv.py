@@ -83,12 +83,14 @@ class LowRank:
     def bookkeeping_bytes(self) -> int:
         return int(sum(x.nbytes for x in (self.counts, self.rank_k, self.rank_v, self.positions)))
 
-    def used_bytes(self) -> int:
-        """Bytes of the factors at their achieved ranks and counts."""
+    def used_bytes(self, row: int | None = None) -> int:
+        """Bytes of the factors at their achieved ranks and counts (of one row, if given)."""
         h = self.basis_k.shape[-1]
         item = self.coef_k.dtype.itemsize
         n = np.asarray(self.counts, np.int64)
         rk, rv = np.asarray(self.rank_k, np.int64), np.asarray(self.rank_v, np.int64)
+        if row is not None:
+            n, rk, rv = n[row], rk[row], rv[row]
         return int(((n + h) * (rk + rv)).sum()) * item
 
     def copy(self) -> LowRank:
@@ -355,15 +357,16 @@ def bookkeeping_bytes(state: KVState) -> int:
     return int(total)
 
 
-def used_bytes(state: KVState) -> int:
-    """Bytes of the valid slots only (what a perfectly packed cache would hold); low-rank
-    segments at their achieved ranks and token counts."""
+def used_bytes(state: KVState, row: int | None = None) -> int:
+    """Bytes of the valid slots only (what a perfectly packed cache would hold), of the whole
+    batch or of one row; low-rank segments at their achieved ranks and token counts."""
     total = 0
     for layer in state.layers:
         per_slot = 2 * layer.k.shape[-1] * layer.k.dtype.itemsize
         if layer.k_scale is not None:
             per_slot += 2 * layer.k_scale.dtype.itemsize
         per_slot += 0 if layer.bias is None else layer.bias.dtype.itemsize
-        total += int(np.asarray(layer.lengths).sum()) * per_slot
-        total += 0 if layer.lowrank is None else layer.lowrank.used_bytes()
+        lengths = np.asarray(layer.lengths)
+        total += int((lengths if row is None else lengths[row]).sum()) * per_slot
+        total += 0 if layer.lowrank is None else layer.lowrank.used_bytes(row)
     return total

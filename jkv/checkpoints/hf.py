@@ -246,12 +246,29 @@ def _entries(files: list[Path], config: ModelConfig):
                 yield file, f, tensor_name, path, rule
 
 
-def _check_complete(folder: Path, config: ModelConfig, found) -> None:
+def place(weights: dict, digests: dict, path: str, value, target, mesh, source: str, tensor_name):
+    """Casts one converted tensor to `target`, refuses NaN / Inf (naming `source` and
+    `tensor_name`), hashes it into `digests` and puts it on its device(s) at `path`."""
+    value = np.ascontiguousarray(value).astype(target)
+    check_tensor(value, source, tensor_name)
+    digests[path] = tensor_digest(value)
+    if mesh is not None:
+        placed = jax.device_put(
+            value, sharding.param_sharding(tuple(path.split("/")), value.shape, mesh)
+        )
+    else:
+        placed = jax.device_put(value)
+    _set(weights, path, placed)
+
+
+def check_complete(source, config: ModelConfig, found, name_of=None) -> None:
+    """Raises ValueError naming the first tensor the model needs that is not in `found` (our
+    paths), by its name in the file (`name_of(path)`; default: the Hugging Face name)."""
     missing = sorted(expected_paths(config) - set(found))
     if missing:
+        name = (name_of or to_hf_name)(missing[0])
         raise ValueError(
-            f"{folder}: checkpoint lacks tensor {to_hf_name(missing[0])!r} "
-            f"({len(missing)} missing in all)"
+            f"{source}: checkpoint lacks tensor {name!r} ({len(missing)} missing in all)"
         )
 
 
@@ -270,7 +287,7 @@ def check_headers(folder: str | Path) -> ModelConfig:
         if shape != want:
             raise ValueError(f"{file}: tensor {tensor_name!r} has shape {shape}; expected {want}")
         found.append(path)
-    _check_complete(folder, config, found)
+    check_complete(folder, config, found)
     return config
 
 
@@ -325,29 +342,15 @@ def load_hf(
             raise ValueError(
                 f"{file}: tensor {tensor_name!r} has shape {raw.shape}; expected {want}"
             )
-        value = np.ascontiguousarray(transform(raw, config)).astype(target)
+        place(weights, digests, path, transform(raw, config), target, mesh, str(file), tensor_name)
         del raw
-        check_tensor(value, str(file), tensor_name)
-        digests[path] = tensor_digest(value)
-        if mesh is not None:
-            placed = jax.device_put(
-                value, sharding.param_sharding(tuple(path.split("/")), value.shape, mesh)
-            )
-        else:
-            placed = jax.device_put(value)
-        del value
-        _set(weights, path, placed)
         bar.update(1)
     bar.close()
-    _check_complete(folder, config, digests)
+    check_complete(folder, config, digests)
 
-    tokenizer = None
-    if (folder / "tokenizer.json").is_file():
-        tokenizer = Tokenizer.from_file(
-            folder / "tokenizer.json",
-            bos_token_id=config.bos_token_id,
-            eos_token_ids=config.eos_token_ids,
-        )
+    tokenizer = Tokenizer.from_folder(
+        folder, bos_token_id=config.bos_token_id, eos_token_ids=config.eos_token_ids
+    )
     return Params(
         weights=weights,
         config=config,

@@ -3,7 +3,7 @@
 Layout of a folder written by `save` (and by `jkv convert`):
   jkv.json        {"format": 1, "name", "version", "config": ModelConfig fields}
   weights/        orbax checkpoint of the weights tree
-  tokenizer.json  when the params carry a tokenizer
+  tokenizer.json  when the params carry a tokenizer (chat_template.jinja beside it when it has one)
 
 The stored "version" is informative only: a load fingerprints the weights it restored (on
 first use), since the files may have changed since they were saved.
@@ -114,13 +114,9 @@ def load_saved(
             f"{folder / 'weights'}: cannot restore weights for this config ({e})"
         ) from None
     check_tree(weights, str(folder / "weights"))
-    tokenizer = None
-    if (folder / "tokenizer.json").is_file():
-        tokenizer = Tokenizer.from_file(
-            folder / "tokenizer.json",
-            bos_token_id=config.bos_token_id,
-            eos_token_ids=config.eos_token_ids,
-        )
+    tokenizer = Tokenizer.from_folder(
+        folder, bos_token_id=config.bos_token_id, eos_token_ids=config.eos_token_ids
+    )
     return Params(weights=weights, config=config, tokenizer=tokenizer, name=name, mesh=mesh)
 
 

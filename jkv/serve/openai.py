@@ -24,17 +24,9 @@ import secrets
 import time
 from typing import Any
 
+from jkv.chat import ROLES, render
 from jkv.serve import unsupported
 
-# Chat models without a template in their tokenizer config get this one: the bos token, then
-# each message on its own line as "role: content", then "assistant:" for the model to continue.
-# A rendered chat is tokenised without adding special tokens (the template places them, as in
-# transformers and vLLM).
-DEFAULT_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
-ROLES = ("system", "developer", "user", "assistant", "tool")
 SEED_RANGE = (0, 2**31 - 1)
 # jkv's own settings in the body: their JSON types (their values are checked by
 # `jkv.request.Request.build`, as for `jkv.generate`)
@@ -241,22 +233,11 @@ def _messages(body) -> list[dict]:
 
 
 def render_chat(messages: list[dict], template: str | None, special: dict[str, str]) -> str:
-    """The prompt text of a conversation, by the tokenizer's chat template (Jinja, as
-    `transformers` renders it) or `DEFAULT_CHAT_TEMPLATE`."""
-    import jinja2.sandbox
-
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-    def raise_exception(message):
-        raise jinja2.TemplateError(message)
-
-    env.globals["raise_exception"] = raise_exception
+    """The prompt text of a conversation (`jkv.chat.render`); 400 when the template refuses."""
     try:
-        return env.from_string(template or DEFAULT_CHAT_TEMPLATE).render(
-            messages=messages, add_generation_prompt=True, **special
-        )
-    except jinja2.TemplateError as e:
-        raise bad("messages", f"the chat template refused these messages: {e}") from None
+        return render(messages, template, special)
+    except ValueError as e:
+        raise bad("messages", str(e)) from None
 
 
 def parse(

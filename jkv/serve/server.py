@@ -34,6 +34,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from jkv.chat import special_tokens as special_tokens_of
 from jkv.prompt import prompt_ids
 from jkv.request import Request as Settings
 from jkv.response_cache import front
@@ -42,6 +43,7 @@ from jkv.serve import auth, body
 from jkv.serve import openai as oa
 from jkv.serve.answer import Answer, stopped
 from jkv.serve.metrics import Observability, RequestRecord
+from jkv.tokenizer import read_chat_template
 
 LOG = logging.getLogger("jkv.serve")
 RETRY_AFTER_S = 1  # what a 503 asks the client to wait
@@ -66,7 +68,8 @@ class Server:
             templated or tokenised (default: 32 per token of the engine's max_model_len).
         max_queued_requests / max_queued_tokens: admitted requests (and their prompt tokens)
             that have not had their first token yet; past either, 503 with Retry-After.
-        chat_template: Jinja chat template (default: `openai.DEFAULT_CHAT_TEMPLATE`).
+        chat_template: Jinja chat template (default: the tokenizer's, else
+            `jkv.chat.DEFAULT_CHAT_TEMPLATE`).
         special_tokens: names the template may use (bos_token, eos_token).
         defaults: settings for requests that do not give them (kv_policy, kv_budget).
         span_exporter: an OpenTelemetry span exporter (default: OTLP when OTEL_* is set).
@@ -105,8 +108,10 @@ class Server:
         self.max_prompt_chars = body.check_limit("max_prompt_chars", max_prompt_chars)
         self.name = model_name or params.name
         self.max_queued_requests, self.max_queued_tokens = max_queued_requests, max_queued_tokens
+        if chat_template is None and params.tokenizer is not None:
+            chat_template = params.tokenizer.chat_template
         self.chat_template = chat_template
-        self.special = {**_special_tokens(params), **(special_tokens or {})}
+        self.special = {**special_tokens_of(params), **(special_tokens or {})}
         self.defaults = _checked_defaults(params, defaults or {})
         self.obs = Observability(engine, self.name, span_exporter=span_exporter)
         self.stopping = asyncio.Event()  # set: requests still running end with a 503
@@ -393,38 +398,20 @@ def _checked_defaults(params, defaults: dict) -> dict:
     return dict(defaults)
 
 
-def _special_tokens(params) -> dict:
-    """bos_token / eos_token by the model's ids (what chat templates call them)."""
-    tok, cfg = params.tokenizer, params.config
-    out = {}
-    if tok is None:
-        return out
-    if cfg.bos_token_id is not None:
-        out["bos_token"] = tok.id_to_token(cfg.bos_token_id) or ""
-    if cfg.eos_token_ids:
-        out["eos_token"] = tok.id_to_token(cfg.eos_token_ids[0]) or ""
-    return out
-
-
 def chat_template_of(model: str) -> tuple[str | None, dict]:
-    """The chat template and special tokens in a model folder's tokenizer_config.json (or its
-    chat_template.jinja), if any."""
+    """The chat template (`jkv.tokenizer.read_chat_template`) and special tokens in a model
+    folder's tokenizer_config.json, if any."""
     folder = Path(model)
+    if not folder.is_dir():
+        return None, {}
     config = folder / "tokenizer_config.json"
-    template, special = None, {}
+    special = {}
     if config.is_file():
         data = json.loads(config.read_text())
-        template = data.get("chat_template")
-        if isinstance(template, list):  # named templates: the default one
-            named = {t.get("name"): t.get("template") for t in template}
-            template = named.get("default")
         for name in ("bos_token", "eos_token"):
             value = data.get(name)
             if isinstance(value, dict):
                 value = value.get("content")
             if isinstance(value, str):
                 special[name] = value
-    jinja = folder / "chat_template.jinja"
-    if template is None and jinja.is_file():
-        template = jinja.read_text()
-    return template, special
+    return read_chat_template(folder), special

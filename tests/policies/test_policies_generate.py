@@ -52,7 +52,7 @@ def test_policy_generates_on_ragged_batch(params, name, kv_dtype):
     want = jkv.memory(
         params, 3, 40, max_new_tokens=6, kv_dtype=kv_dtype, kv_policy=name, kv_budget=budget
     )
-    assert out[0].kv_bytes == want.total
+    assert out[0].stats["batch_kv_bytes"] == want.total == sum(r.kv_bytes for r in out)
     assert out[0].stats["kv_capacity"] == list(want.slots)
 
 
@@ -83,9 +83,10 @@ def test_kv_bytes_are_the_live_arrays_and_memory_predicts_them(params, name, kv_
     session = gen.Session(params, prompts, req)
     session.run()
     result = session.results()[0]
-    assert result.kv_bytes == _live_kv_bytes(session.state.kv)
+    assert result.stats["batch_kv_bytes"] == _live_kv_bytes(session.state.kv)
+    assert result.kv_bytes * len(prompts) == result.stats["batch_kv_bytes"]
     predicted = jkv.memory(params, len(prompts), max(map(len, prompts)), **kw)
-    assert predicted.total == result.kv_bytes
+    assert predicted.total == result.stats["batch_kv_bytes"]
     assert list(predicted.slots) == result.stats["kv_capacity"]
 
 
