@@ -40,6 +40,22 @@ def engine_host(results):
     return md(header, rows)
 
 
+@table("engine_step")
+def engine_step(results):
+    rows = []
+    for stem, label in (
+        ("engine_step_demo_before", "before (gathering step), demo shape"),
+        ("engine_step_demo", "flattened step (ragged XLA path), demo shape"),
+        ("engine_step_125m", "flattened step, 125M shape"),
+    ):
+        d = load(results, stem)
+        ms = d["ms"]
+        cols = [f"{num(ms[k], 2)} ms" for k in ("16 x 32", "1 x 1000", "16 x 32 + 1 x 1000")]
+        rows.append([label, *cols, num(d["ratio"], 2)])
+    header = ["engine", "16 x 32", "1 x 1000", "16 x 32 + 1 x 1000", "mixed / (short + long)"]
+    return md(header, rows)
+
+
 @table("engine_offline")
 def engine_offline(results):
     demo, big = load(results, "engine_offline"), load(results, "engine_offline_125m")
