@@ -142,6 +142,7 @@ class Engine(Streams):
         admission_headroom: float = 0.05,
         admission: str = "reserve",
         attention_mass: bool = False,
+        kv_events=None,
     ):
         if not isinstance(params, Params):
             raise ValueError(
@@ -170,6 +171,7 @@ class Engine(Streams):
             recycle=recycle,
             recycle_below=recycle_below,
             admission_headroom=admission_headroom,
+            events=kv_events,  # told of every prefix-cache change (page_pool.py, "Events")
         )
         self.pool = PagePool(**self._pool_settings)
         self.scheduler = Scheduler(
@@ -620,6 +622,7 @@ class Engine(Streams):
         cache forgotten; the pool's books re-created, and its device arrays if `lost`."""
         self.scheduler.preempt_all()
         if self.pool.used_pages or not self._books_add_up():
+            self.pool.clear_cache()  # its cached blocks die with it: `kv_events` hears so
             self.pool = PagePool(**self._pool_settings)
             self.scheduler.pool = self.pool
             lost = True
