@@ -1,6 +1,7 @@
 """`jkv serve MODEL [...]`: loads the model, builds the engine and runs the server with uvicorn
 until SIGTERM or Ctrl-C (then it stops accepting connections, lets in-flight requests finish
-for up to --shutdown-timeout seconds, and exits)."""
+for up to --shutdown-timeout seconds, and exits). `--replicas N` runs N of them behind
+sglang-router instead (`replicas.py`)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from jkv.compile_time import use_compile_cache
 from jkv.request import resolve_policy
 from jkv.response_cache import CacheUnavailableError
 from jkv.response_cache.config import check_redis_url
-from jkv.serve import auth
+from jkv.serve import auth, replicas
 from jkv.serve.body import MAX_BODY_BYTES
 from jkv.serve.kv_events import KVEventPublisher, check_endpoint
 from jkv.serve.metrics import JsonFormatter
@@ -97,6 +98,8 @@ def add_subcommand(sub) -> None:
     s.add_argument("--shutdown-timeout", type=_seconds, default=30.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish")  # fmt: skip
     s.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="JSON logs on stderr")
+    replicas.add_flags(s)
+    s.set_defaults(serve_parser=s)  # --replicas rebuilds each replica's argv from it
 
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -202,6 +205,8 @@ def _run(args: argparse.Namespace) -> int:
         )
     else:
         log.info("%d API keys, %d tenants", len(keys), len(keys.tenants))
+    if args.replicas != 1:  # every replica checks the same flags again, and loads the model
+        return replicas.launch(args.serve_parser, args)
     try:  # before the model loads: a cluster none of whose nodes answers fails at once
         cache = None if args.no_response_cache else jkv.ResponseCache(args.redis_url)
     except CacheUnavailableError as e:
