@@ -35,41 +35,33 @@ token) is one per engine.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import threading
 import time
 
-import jax
 import numpy as np
 
-from jkv import kv as kvlib
-from jkv.core.paged import PagedRows
 from jkv.core.sampling import SamplingArrays
 from jkv.engine.page_pool import PagePool
+from jkv.engine.policy_steps import PolicySteps
 from jkv.engine.ragged import order, pack_ragged, ragged_step
+from jkv.engine.recovery import Recovery
+from jkv.engine.request_output import RequestOutput, Row
 from jkv.engine.runner import (
-    Rows,
     RowTables,
     bucket,
-    compact,
     empty_pool,
-    pack,
-    paged_step,
     set_rows,
-    write_mass,
-    write_pages,
 )
 from jkv.engine.scheduler import Scheduler
 from jkv.engine.sequence import Sequence, Status
 from jkv.engine.streams import RequestFailed, Streams
+from jkv.engine.warmup import Warmup
 from jkv.limits import available_bytes
 from jkv.memory import page_bytes
 from jkv.output import RowOutput
 from jkv.params import Params
-from jkv.policies import resolve
 from jkv.policies.base import KVPolicy
-from jkv.policies.efficache import head_sensitivity
 from jkv.prompt import prompt_ids
 from jkv.request import Request
 
@@ -77,53 +69,7 @@ SERVED = "snapkv, pyramidkv, adakv, efficache, quantile, streaming, h2o"
 __all__ = ["Engine", "RequestFailed", "RequestOutput"]
 
 
-@dataclasses.dataclass
-class RequestOutput:
-    """What one step did for one request."""
-
-    request_id: str
-    new_tokens: list[int]
-    finished: bool
-    finish_reason: str | None  # "stop", "length", "abort", "error"; None while running
-    cached_tokens: int  # prompt tokens taken from the prefix cache
-    text: str = ""  # new text no later token can change (all of the rest once finished)
-    scheduled_at: float | None = None  # time.monotonic() when a step first ran its prompt
-    pages: int = 0  # pages it held in this step (all heads)
-    preemptions: int = 0  # times it was preempted (its pages freed, its tokens recomputed)
-    error: str | None = None  # finish_reason "error": what failed
-
-
-class _Row:
-    """One request's settings, text and stop strings, and how much of both was handed out."""
-
-    def __init__(self, req: Request, out: RowOutput | None):
-        self.req, self.out = req, out
-        self.tokens = 0  # tokens handed out
-        self.pushed = 0  # tokens given to the stop-string search
-        self.chars = 0  # characters of text handed out
-
-    @property
-    def stopped(self) -> bool:
-        return self.out is not None and self.out.hit is not None
-
-    def take(self, seq, final: bool) -> tuple[list[int], str]:
-        """The tokens `seq` sampled since the last call (none past a stop string) and the new
-        settled text."""
-        if self.out is None:
-            tokens = seq.output[self.tokens :]
-            self.tokens = len(seq.output)
-            return tokens, ""
-        self.out.push(seq.output[self.pushed :])
-        self.pushed = len(seq.output)
-        upto = self.out.hit[1] if self.out.hit is not None else len(seq.output)
-        tokens = seq.output[self.tokens : upto]
-        self.tokens = max(self.tokens, upto)
-        text = self.out.text if final or self.stopped else self.out.settled()
-        delta, self.chars = text[self.chars :], max(self.chars, len(text))
-        return tokens, delta
-
-
-class Engine(Streams):
+class Engine(Streams, PolicySteps, Recovery, Warmup):
     def __init__(
         self,
         params: Params,
@@ -186,7 +132,7 @@ class Engine(Streams):
         self.rows = RowTables(max_running, -(-self.max_model_len // page_size) + 2)
         self.device = self._empty_device()
         self.eos_ids = tuple(sorted(set(cfg.eos_token_ids)))
-        self._rows: dict[str, _Row] = {}
+        self._rows: dict[str, Row] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()  # steps (and taking messages in): one at a time
         self._inbox: collections.deque = collections.deque()  # add / abort messages
@@ -277,7 +223,7 @@ class Engine(Streams):
                 raise ValueError(f"request_id={rid!r} is already in the engine")
             self._known.add(rid)
         tok = self.params.tokenizer
-        self._post(("add", seq, _Row(req, RowOutput(tok, req.stop) if tok is not None else None)))
+        self._post(("add", seq, Row(req, RowOutput(tok, req.stop) if tok is not None else None)))
         return rid
 
     def _check_length(self, ids, req) -> None:
@@ -487,13 +433,6 @@ class Engine(Streams):
             pad_rows[: len(ids)] = rows
             self.device = set_rows(self.device, pad_ids, pad_rows)
 
-    def _policy_key(self, r):
-        """The policy a prefill chunk feeds: the request's, until its prompt is compressed."""
-        policy = self._rows[r.seq.request_id].req.policy
-        compressing = policy is not None and r.seq.prefilling and not r.seq.compressed
-        # an evicting policy rotates keys and evicts in every step
-        return policy.jit_key() if compressing or (policy and policy.evicts) else None
-
     def _sampling(self, scheduled, b: int):
         reqs = [self._rows[r.seq.request_id].req for r in scheduled]
         reqs += [reqs[0]] * (b - len(scheduled))  # padding rows sample and are ignored
@@ -514,193 +453,7 @@ class Engine(Streams):
         tok = np.asarray(tok)
         return {r.seq.request_id: int(tok[i]) for i, r in enumerate(scheduled) if r.samples}
 
-    def _run(self, scheduled, policy, kept) -> dict[str, int]:
-        cfg = self.params.config
-        rows, tokens, n_new, start = pack(
-            scheduled, self.rows, self.scheduler.group, self.scheduler.chunk
-        )
-        b = len(n_new)
-        reqs = [self._rows[r.seq.request_id].req for r in scheduled]
-        budgets = np.zeros((b,), np.int32)
-        limits = np.full((b,), kvlib.NO_LIMIT, np.int32)
-        limits[: len(scheduled)] = [
-            kvlib.NO_LIMIT if r.seq.limit is None else r.seq.limit for r in scheduled
-        ]
-        ending = [i for i, r in enumerate(scheduled) if r.start + r.n == len(r.seq.prompt)]
-        sensitivity = None
-        if policy is not None:
-            budgets[: len(scheduled)] = [
-                q.policy.budget_tokens(len(r.seq.prompt))
-                for q, r in zip(reqs, scheduled, strict=True)
-            ]
-            if policy.needs_sensitivity:
-                sensitivity = self._sensitivity(scheduled, ending, b)
-        sampling, index = self._sampling(scheduled, b)
-        tok, writes, selection, mass = paged_step(
-            self.params.weights, cfg, self.device, rows, tokens, n_new, start, sampling,
-            index, budgets, limits, sensitivity, backend=self.backend, dtype=self.kv_dtype,
-            policy=policy,
-        )  # fmt: skip
-        self.device = write_pages(self.device, writes)
-        if mass is not None:
-            self.device = write_mass(self.device, *mass)
-        if selection is not None and ending:
-            src, counts = selection
-            counts = np.asarray(counts)
-            for i in ending:
-                kept[scheduled[i].seq.request_id] = (src, i, counts[i].reshape(-1).tolist())
-        tok = np.asarray(tok)
-        return {r.seq.request_id: int(tok[i]) for i, r in enumerate(scheduled) if r.samples}
-
-    def _sensitivity(self, rows, ending, b: int) -> np.ndarray:
-        """`[b, L, K]` float32: EffiCache's head sensitivity of each row whose prompt ends in
-        this step, by one gradient pass over its whole prompt (padded to its bucket, as
-        `jkv.generate` pads it); zeros elsewhere."""
-        cfg = self.params.config
-        out = np.zeros((b, cfg.num_layers, cfg.num_kv_heads), np.float32)
-        for i in ending:
-            prompt = rows[i].seq.prompt
-            tokens = np.zeros((1, kvlib.bucket(len(prompt))), np.int32)
-            tokens[0, : len(prompt)] = prompt
-            n = np.array([len(prompt)], np.int32)
-            out[i] = np.asarray(_sensitivity(self.params.weights, cfg, tokens, n))[0]
-        return out
-
-    def _compress(self, seq, src, row, counts) -> None:
-        """The policy's selection made physical: each head's kept tokens move into the fewest
-        pages (`Scheduler.compress`), the rest go back to the pool."""
-        if self.scheduler.compress_or_preempt(seq, counts) is None:
-            return  # preempted for lack of pages: recomputed later
-        self._sync_rows()
-        table = np.zeros(self.rows.width, np.int32)
-        table[: len(seq.blocks)] = seq.blocks
-        g = self.scheduler.group
-        self.device = compact(self.device, src[row].reshape(g, -1), table,
-                              np.asarray(counts, np.int32))  # fmt: skip
-
-    # ------------------------------------------------------------------ failures
-
-    def _recover(self, plan, err: Exception) -> list[RequestOutput]:
-        """After a step raised: its requests (every running one if scheduling itself failed)
-        fail, and the engine is made whole for the next: a pool whose buffers were donated is
-        re-created (cached blocks forgotten, running requests recompute), books that no longer
-        add up are rebuilt. If that fails too, the engine is unhealthy."""
-        self.failures += 1
-        message = f"{type(err).__name__}: {err}"
-        seqs = [r.seq for r in plan.scheduled] if plan is not None else list(self.scheduler.running)
-        outs = []
-        for seq in seqs:
-            if seq.request_id not in self.scheduler.by_id:
-                continue  # finished or aborted before the failure
-            self.scheduler.abort(seq.request_id)
-            seq.finish_reason, seq.error = "error", message
-            self._forget(seq.request_id)
-            outs.append(self._failed_output(seq.request_id, message))
-        try:
-            lost = any(x.is_deleted() for x in jax.tree.leaves(self.device))
-            if lost or not self._books_add_up():
-                self._rebuild(lost)
-        except Exception as again:  # noqa: BLE001 - nothing left to try
-            self.healthy = False
-            self.health_error = f"{message}; recovery failed: {type(again).__name__}: {again}"
-        return outs
-
-    @staticmethod
-    def _failed_output(rid: str, error: str) -> RequestOutput:
-        return RequestOutput(rid, [], True, "error", 0, error=error)
-
-    def _books_add_up(self) -> bool:
-        try:
-            self.pool.check()
-        except AssertionError:
-            return False
-        held = sum(s.pages for s in self.scheduler.running)
-        return held <= self.pool.used_pages
-
-    def _rebuild(self, lost: bool) -> None:
-        """Every running request back to waiting (recomputed from its tokens), the prefix
-        cache forgotten; the pool's books re-created, and its device arrays if `lost`."""
-        self.scheduler.preempt_all()
-        if self.pool.used_pages or not self._books_add_up():
-            self.pool.clear_cache()  # its cached blocks die with it: `kv_events` hears so
-            self.pool = PagePool(**self._pool_settings)
-            self.scheduler.pool = self.pool
-            lost = True
-        else:
-            self.pool.clear_cache()
-        self.rows.clear()
-        if lost:
-            self.device = self._empty_device()
-            self.pool.take_dirty()
-
     # ------------------------------------------------------------------ the rest
-
-    def warmup(self, kv_policies=()) -> float:
-        """Compiles every step shape a request can need, so that no request compiles later:
-        the flattened step at every (rows, tokens) bucket (rows: powers of two up to
-        max_running; tokens: up to the token budget's); for each of `kv_policies` (names or
-        `jkv.policies.KVPolicy` objects; budgets do not matter, they are data) the gathering
-        step (rows; new tokens 1 or the chunk; blocks per row: powers of two up to
-        max_model_len's) and every compaction; every block-row update size. Returns the
-        seconds it took."""
-        t0 = time.perf_counter()
-        cfg = self.params.config
-        g = self.scheduler.group
-        rows = [1 << i for i in range(bucket(self.scheduler.max_running).bit_length())]
-        widths = [1 << i for i in range(bucket(self.rows.width).bit_length())]
-        keys = []  # the full cache runs the flattened step only
-        for p in kv_policies:
-            policy = resolve(p, None) if isinstance(p, str) else p
-            self._check_policy(policy)
-            keys.append(policy.jit_key())
-        probe = Request.build(self.params)
-        z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
-        for key, b, t, m in itertools.product(keys, rows, (1, self.scheduler.chunk), widths):
-            sampling = SamplingArrays.build([probe.sampling] * b, [probe.seed] * b)
-            sens = None
-            if key.needs_sensitivity:
-                sens = np.zeros((b, cfg.num_layers, cfg.num_kv_heads), np.float32)
-            idle = Rows(z(b, m), z(b, g), z(b), z(b), np.zeros(b, bool))
-            tok, writes, kept, mass = paged_step(
-                self.params.weights, cfg, self.device, idle, z(b, t), z(b), z(b), sampling,
-                z(b), z(b), z(b), sens, backend=self.backend, dtype=self.kv_dtype, policy=key,
-            )  # fmt: skip
-            self.device = write_pages(self.device, writes)  # nothing written: n_new is 0
-            if mass is not None:
-                self.device = write_mass(self.device, *mass)
-            if b == 1:  # one compaction program per dense size
-                self.device = compact(self.device, kept[0][0].reshape(g, -1),
-                                      z(self.rows.width), z(g))  # fmt: skip
-            tok.block_until_ready()
-        self._warm_flat(rows)
-        for n in (1 << i for i in range(bucket(self.pool.num_blocks).bit_length())):
-            ids = np.full(n, self.pool.num_blocks, np.int32)  # every row dropped
-            self.device = set_rows(self.device, ids, z(n, g))
-        if any(k.needs_sensitivity for k in keys):  # every prompt bucket
-            top = kvlib.bucket(self.max_model_len)
-            for n in sorted({kvlib.bucket(1 << i) for i in range(top.bit_length())}):
-                x = np.zeros((1, n), np.int32)
-                _sensitivity(self.params.weights, cfg, x, np.ones(1, np.int32)).block_until_ready()
-        jax.block_until_ready(self.device)
-        return time.perf_counter() - t0
-
-    def _warm_flat(self, rows) -> None:
-        """The flattened step at every (rows, tokens) bucket a step can have: tokens from the
-        rows' count (one each) to the token budget's bucket."""
-        cfg, g = self.params.config, self.scheduler.group
-        probe = Request.build(self.params)
-        most = bucket(self.scheduler.token_budget)
-        for b in rows:
-            for t in (1 << i for i in range(b.bit_length() - 1, most.bit_length())):
-                z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
-                idle = PagedRows(z(b, self.rows.width), z(b, g), z(b), z(b), z(b), z(b),
-                                 np.full(t, b, np.int32), z(t), np.int32(0), np.int32(0))  # fmt: skip
-                sampling = SamplingArrays.build([probe.sampling] * b, [probe.seed] * b)
-                tok, self.device = ragged_step(
-                    self.params.weights, cfg, self.device, idle, z(t), z(t), sampling, z(b),
-                    backend=self.backend, dtype=self.kv_dtype,
-                )  # fmt: skip
-                tok.block_until_ready()
 
     def stats(self) -> dict:
         """Counters for monitoring (read without waiting for a step): pages (total usable,
@@ -743,6 +496,3 @@ class Engine(Streams):
                 if out.request_id in got:
                     got[out.request_id] += out.new_tokens
         return [got[rid] for rid in rids]
-
-
-_sensitivity = jax.jit(head_sensitivity, static_argnames=("config",))

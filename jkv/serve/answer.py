@@ -43,7 +43,12 @@ class Answer:
     def __init__(self, server, req, rid, rec, ids, settings, miss, span, request):
         self.server, self.req, self.rid, self.rec = server, req, rid, rec
         self.ids, self.miss, self.span, self.request = ids, miss, span, request
-        self.outputs = server.engine.stream(ids, request_id=rid, cache_salt=rec.tenant, **settings)
+        # without max_tokens a request may run to the end of the context: admission reserves
+        # what such a request typically needs, not all of it
+        reserve = None if req.max_tokens is not None else server.reserve_tokens
+        self.outputs = server.engine.stream(
+            ids, request_id=rid, cache_salt=rec.tenant, reserve=reserve, **settings
+        )
         self.text: list[str] = []
         self.tokens: list[int] = []
         self.queued = True

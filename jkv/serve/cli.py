@@ -73,6 +73,9 @@ def add_subcommand(sub) -> None:
                    help="requests waiting for their first token; past it, 503")  # fmt: skip
     s.add_argument("--max-queued-tokens", type=int, default=262144,
                    help="their prompt tokens; past it, 503")  # fmt: skip
+    s.add_argument("--reserve-tokens", type=int, default=128,
+                   help="output tokens admission reserves for a request without max_tokens "
+                   "(it takes more pages as it needs them)")  # fmt: skip
     s.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help=f"a key clients must send as 'Authorization: Bearer KEY' (repeatable; "
                    f"each its own tenant; also ${auth.ENV})")  # fmt: skip
@@ -267,6 +270,7 @@ def _run_with(args, defaults, policy, keys, cache, events, log) -> int:
         response_cache=cache,
         max_queued_requests=args.max_queued_requests,
         max_queued_tokens=args.max_queued_tokens,
+        reserve_tokens=args.reserve_tokens,
         chat_template=template,
         special_tokens=special,
         defaults=defaults,

@@ -68,6 +68,10 @@ class Server:
             templated or tokenised (default: 32 per token of the engine's max_model_len).
         max_queued_requests / max_queued_tokens: admitted requests (and their prompt tokens)
             that have not had their first token yet; past either, 503 with Retry-After.
+        reserve_tokens: output tokens the engine's admission reserves pages for when a request
+            gives no max_tokens (it may run to the end of the context, but reserving all of it
+            would admit a few such requests at a time; past the reserve it takes pages as they
+            come, preempted by the engine's rule when they run out).
         chat_template: Jinja chat template (default: the tokenizer's, else
             `jkv.chat.DEFAULT_CHAT_TEMPLATE`).
         special_tokens: names the template may use (bos_token, eos_token).
@@ -84,6 +88,7 @@ class Server:
         response_cache=None,
         max_queued_requests: int = 512,
         max_queued_tokens: int = 262144,
+        reserve_tokens: int = 128,
         chat_template: str | None = None,
         special_tokens: dict | None = None,
         defaults: dict | None = None,
@@ -94,7 +99,8 @@ class Server:
         span_exporter=None,
     ):
         for name, value in (("max_queued_requests", max_queued_requests),
-                            ("max_queued_tokens", max_queued_tokens)):  # fmt: skip
+                            ("max_queued_tokens", max_queued_tokens),
+                            ("reserve_tokens", reserve_tokens)):  # fmt: skip
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: expected an integer >= 1")
         self.params, self.engine, self.cache = params, engine, response_cache
@@ -108,6 +114,7 @@ class Server:
         self.max_prompt_chars = body.check_limit("max_prompt_chars", max_prompt_chars)
         self.name = model_name or params.name
         self.max_queued_requests, self.max_queued_tokens = max_queued_requests, max_queued_tokens
+        self.reserve_tokens = reserve_tokens
         if chat_template is None and params.tokenizer is not None:
             chat_template = params.tokenizer.chat_template
         self.chat_template = chat_template

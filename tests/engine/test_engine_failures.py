@@ -14,6 +14,7 @@ import pytest
 
 import jkv
 from jkv.engine import engine as engine_module
+from jkv.engine import policy_steps
 from jkv.engine.engine import Engine, RequestFailed
 from jkv.engine.page_pool import PagePool
 from jkv.engine.scheduler import Scheduler
@@ -111,7 +112,7 @@ def test_a_failed_policy_step_or_compaction_leaves_a_valid_pool(
     after donating the pool."""
 
     def target(fn):
-        return (engine_module, where, fn)
+        return (policy_steps, where, fn)
 
     fail_then_recover(engine, demo, prompts, monkeypatch, target, True,
                       kv_policy=jkv.SnapKV(budget=8, window=4))  # fmt: skip

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jkv
-from jkv.engine import engine as engine_module
+from jkv.engine import policy_steps
 from jkv.engine.engine import Engine
 from jkv.engine.ragged import ragged_step
 from jkv.engine.runner import compact, paged_step, set_rows, write_mass, write_pages
@@ -128,7 +128,7 @@ def test_no_step_compiles_after_warmup_with_policies(demo):
                     attention_mass=True)  # fmt: skip
     engine.warmup(kv_policies=[H2O(budget=8, recent=2), EffiCache(window=8)])
     compiled = (ragged_step, paged_step, write_pages, compact, set_rows, write_mass,
-                engine_module._sensitivity)  # fmt: skip
+                policy_steps.sensitivity_pass)  # fmt: skip
     before = [f._cache_size() for f in compiled]
     rng = random.Random(1)
     for policy in (EffiCache(budget=0.5, window=8), EffiCache(budget=5, window=8), None,

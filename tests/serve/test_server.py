@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
+import threading
 import time
 
 import httpx
@@ -232,6 +234,80 @@ def test_a_burst_past_the_queue_limit_gets_503_for_the_excess_only(demo_params, 
     assert running.server.queued_requests == 0 and running.server.queued_tokens == 0
 
 
+def test_requests_without_max_tokens_are_admitted_for_what_they_need(demo_params, serve):
+    """A chat without max_tokens may run to the end of the context; admission reserves
+    `reserve_tokens` for it (not the rest of the context, which let 2 of 4 run at once in
+    this pool), and a request that outgrows its reserve takes pages as it goes."""
+    engine = small_engine(demo_params)  # 255 pages: the rest of the context is 128 of them
+    running = serve(Server(demo_params, engine, reserve_tokens=32))
+    peak, done = [0], []
+
+    def watch():
+        while not done:
+            peak[0] = max(peak[0], engine.stats()["running"])
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    body = {"model": "jkv-demo", "messages": [{"role": "user", "content": PROMPT}],
+            "temperature": 0}  # fmt: skip
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*[
+                client.post(running.url + "/v1/chat/completions", json=body) for _ in range(4)
+            ])  # fmt: skip
+
+    replies = asyncio.run(main())
+    done.append(True)
+    watcher.join()
+    assert [r.status_code for r in replies] == [200] * 4
+    assert peak[0] == 4  # max_running: all four at once
+    assert engine.stats()["pages_used"] == 0
+
+
+def test_clients_hanging_up_at_once_leave_nothing_running(demo_params, serve):
+    """40 clients that hang up within 50 ms of sending (before their request reached the
+    engine, or after): 2 s later nothing runs or waits, the pool is at its baseline, and the
+    next request takes about what it took before them (abandoned requests would keep running
+    up to their 200 tokens, ahead of it). The engine is warmed up (as `jkv serve --warmup`): a
+    step compiling a new shape would hold everything for seconds."""
+    engine = small_engine(demo_params, token_budget=16, chunk=16)
+    engine.warmup()
+    running = serve(Server(demo_params, engine, response_cache=None))
+    body = {"model": "jkv-demo", "prompt": PROMPT, "max_tokens": 200, "temperature": 0.8,
+            "seed": 3}  # fmt: skip
+    quick = {**body, "max_tokens": 4}
+    with httpx.Client(timeout=60) as client:
+        client.post(running.url + "/v1/completions", json=quick)  # compiles what it needs
+        t0 = time.monotonic()
+        assert client.post(running.url + "/v1/completions", json=quick).status_code == 200
+        before = time.monotonic() - t0
+    baseline = engine.stats()["pages_used"]
+    rng = random.Random(0)
+
+    async def hang_up(client):
+        try:
+            await client.post(running.url + "/v1/completions", json=body,
+                              timeout=rng.uniform(0.001, 0.05))  # fmt: skip
+        except httpx.TimeoutException:
+            pass
+
+    async def main():
+        async with httpx.AsyncClient() as client:
+            await asyncio.gather(*[hang_up(client) for _ in range(40)])
+
+    asyncio.run(main())
+    time.sleep(2.0)
+    stats = engine.stats()
+    assert (stats["running"], stats["waiting"], stats["pages_used"]) == (0, 0, baseline)
+    with httpx.Client(timeout=60) as client:
+        t0 = time.monotonic()
+        assert client.post(running.url + "/v1/completions", json=quick).status_code == 200
+        after = time.monotonic() - t0
+    assert after <= max(10 * before, 1.0), (before, after)
+
+
 def test_clients_leaving_mid_stream_give_their_pages_back(demo_params, serve):
     engine = small_engine(demo_params)
     running = serve(Server(demo_params, engine))
@@ -250,9 +326,10 @@ def test_clients_leaving_mid_stream_give_their_pages_back(demo_params, serve):
     async def main():
         async with httpx.AsyncClient(timeout=60) as client:
             await asyncio.gather(*[leave_after_two_chunks(client) for _ in range(6)])
-            # a non-streamed request whose client gives up waiting
+            # a non-streamed request whose client gives up waiting (180 tokens take longer
+            # than 20 ms)
             with pytest.raises(httpx.ReadTimeout):
-                await client.post(running.url + "/v1/completions", timeout=0.5,
+                await client.post(running.url + "/v1/completions", timeout=0.02,
                                   json={**body, "stream": False})  # fmt: skip
 
     asyncio.run(main())

@@ -1,0 +1,88 @@
+"""The rows a KV policy still shapes (mixed into `Engine`): a prompt its policy has not
+compressed yet, and the rings of evicting policies, run the gathering step (`runner.
+paged_step`: each row's pages in a dense copy, whose rules the policies are written over); at a
+prompt's end the policy's selection is made physical (`_compress`)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jkv import kv as kvlib
+from jkv.engine.runner import compact, pack, paged_step, write_mass, write_pages
+from jkv.policies.efficache import head_sensitivity
+
+sensitivity_pass = jax.jit(head_sensitivity, static_argnames=("config",))
+
+
+class PolicySteps:
+    def _policy_key(self, r):
+        """The policy a prefill chunk feeds: the request's, until its prompt is compressed."""
+        policy = self._rows[r.seq.request_id].req.policy
+        compressing = policy is not None and r.seq.prefilling and not r.seq.compressed
+        # an evicting policy rotates keys and evicts in every step
+        return policy.jit_key() if compressing or (policy and policy.evicts) else None
+
+    def _run(self, scheduled, policy, kept) -> dict[str, int]:
+        cfg = self.params.config
+        rows, tokens, n_new, start = pack(
+            scheduled, self.rows, self.scheduler.group, self.scheduler.chunk
+        )
+        b = len(n_new)
+        reqs = [self._rows[r.seq.request_id].req for r in scheduled]
+        budgets = np.zeros((b,), np.int32)
+        limits = np.full((b,), kvlib.NO_LIMIT, np.int32)
+        limits[: len(scheduled)] = [
+            kvlib.NO_LIMIT if r.seq.limit is None else r.seq.limit for r in scheduled
+        ]
+        ending = [i for i, r in enumerate(scheduled) if r.start + r.n == len(r.seq.prompt)]
+        sensitivity = None
+        if policy is not None:
+            budgets[: len(scheduled)] = [
+                q.policy.budget_tokens(len(r.seq.prompt))
+                for q, r in zip(reqs, scheduled, strict=True)
+            ]
+            if policy.needs_sensitivity:
+                sensitivity = self._sensitivity(scheduled, ending, b)
+        sampling, index = self._sampling(scheduled, b)
+        tok, writes, selection, mass = paged_step(
+            self.params.weights, cfg, self.device, rows, tokens, n_new, start, sampling,
+            index, budgets, limits, sensitivity, backend=self.backend, dtype=self.kv_dtype,
+            policy=policy,
+        )  # fmt: skip
+        self.device = write_pages(self.device, writes)
+        if mass is not None:
+            self.device = write_mass(self.device, *mass)
+        if selection is not None and ending:
+            src, counts = selection
+            counts = np.asarray(counts)
+            for i in ending:
+                kept[scheduled[i].seq.request_id] = (src, i, counts[i].reshape(-1).tolist())
+        tok = np.asarray(tok)
+        return {r.seq.request_id: int(tok[i]) for i, r in enumerate(scheduled) if r.samples}
+
+    def _sensitivity(self, rows, ending, b: int) -> np.ndarray:
+        """`[b, L, K]` float32: EffiCache's head sensitivity of each row whose prompt ends in
+        this step, by one gradient pass over its whole prompt (padded to its bucket, as
+        `jkv.generate` pads it); zeros elsewhere."""
+        cfg = self.params.config
+        out = np.zeros((b, cfg.num_layers, cfg.num_kv_heads), np.float32)
+        for i in ending:
+            prompt = rows[i].seq.prompt
+            tokens = np.zeros((1, kvlib.bucket(len(prompt))), np.int32)
+            tokens[0, : len(prompt)] = prompt
+            n = np.array([len(prompt)], np.int32)
+            out[i] = np.asarray(sensitivity_pass(self.params.weights, cfg, tokens, n))[0]
+        return out
+
+    def _compress(self, seq, src, row, counts) -> None:
+        """The policy's selection made physical: each head's kept tokens move into the fewest
+        pages (`Scheduler.compress`), the rest go back to the pool."""
+        if self.scheduler.compress_or_preempt(seq, counts) is None:
+            return  # preempted for lack of pages: recomputed later
+        self._sync_rows()
+        table = np.zeros(self.rows.width, np.int32)
+        table[: len(seq.blocks)] = seq.blocks
+        g = self.scheduler.group
+        self.device = compact(self.device, src[row].reshape(g, -1), table,
+                              np.asarray(counts, np.int32))  # fmt: skip

@@ -1,0 +1,91 @@
+"""Compiling every step shape before the first request (mixed into `Engine`), so that no
+request waits for a compile: the flattened step at every (rows, tokens) bucket, and for each KV
+policy asked the gathering step, the compactions and EffiCache's gradient pass."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import jax
+import numpy as np
+
+from jkv import kv as kvlib
+from jkv.core.paged import PagedRows
+from jkv.core.sampling import SamplingArrays
+from jkv.engine.policy_steps import sensitivity_pass
+from jkv.engine.ragged import ragged_step
+from jkv.engine.runner import Rows, bucket, compact, paged_step, set_rows, write_mass, write_pages
+from jkv.policies import resolve
+from jkv.request import Request
+
+
+class Warmup:
+    def warmup(self, kv_policies=()) -> float:
+        """Compiles every step shape a request can need, so that no request compiles later:
+        the flattened step at every (rows, tokens) bucket (rows: powers of two up to
+        max_running; tokens: up to the token budget's); for each of `kv_policies` (names or
+        `jkv.policies.KVPolicy` objects; budgets do not matter, they are data) the gathering
+        step (rows; new tokens 1 or the chunk; blocks per row: powers of two up to
+        max_model_len's) and every compaction; every block-row update size. Returns the
+        seconds it took."""
+        t0 = time.perf_counter()
+        cfg = self.params.config
+        g = self.scheduler.group
+        rows = [1 << i for i in range(bucket(self.scheduler.max_running).bit_length())]
+        widths = [1 << i for i in range(bucket(self.rows.width).bit_length())]
+        keys = []  # the full cache runs the flattened step only
+        for p in kv_policies:
+            policy = resolve(p, None) if isinstance(p, str) else p
+            self._check_policy(policy)
+            keys.append(policy.jit_key())
+        probe = Request.build(self.params)
+        z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+        for key, b, t, m in itertools.product(keys, rows, (1, self.scheduler.chunk), widths):
+            sampling = SamplingArrays.build([probe.sampling] * b, [probe.seed] * b)
+            sens = None
+            if key.needs_sensitivity:
+                sens = np.zeros((b, cfg.num_layers, cfg.num_kv_heads), np.float32)
+            idle = Rows(z(b, m), z(b, g), z(b), z(b), np.zeros(b, bool))
+            tok, writes, kept, mass = paged_step(
+                self.params.weights, cfg, self.device, idle, z(b, t), z(b), z(b), sampling,
+                z(b), z(b), z(b), sens, backend=self.backend, dtype=self.kv_dtype, policy=key,
+            )  # fmt: skip
+            self.device = write_pages(self.device, writes)  # nothing written: n_new is 0
+            if mass is not None:
+                self.device = write_mass(self.device, *mass)
+            if b == 1:  # one compaction program per dense size
+                self.device = compact(self.device, kept[0][0].reshape(g, -1),
+                                      z(self.rows.width), z(g))  # fmt: skip
+            tok.block_until_ready()
+        self._warm_flat(rows)
+        for n in (1 << i for i in range(bucket(self.pool.num_blocks).bit_length())):
+            ids = np.full(n, self.pool.num_blocks, np.int32)  # every row dropped
+            self.device = set_rows(self.device, ids, z(n, g))
+        if any(k.needs_sensitivity for k in keys):  # every prompt bucket
+            top = kvlib.bucket(self.max_model_len)
+            for n in sorted({kvlib.bucket(1 << i) for i in range(top.bit_length())}):
+                x = np.zeros((1, n), np.int32)
+                sensitivity_pass(
+                    self.params.weights, cfg, x, np.ones(1, np.int32)
+                ).block_until_ready()
+        jax.block_until_ready(self.device)
+        return time.perf_counter() - t0
+
+    def _warm_flat(self, rows) -> None:
+        """The flattened step at every (rows, tokens) bucket a step can have: tokens from the
+        rows' count (one each) to the token budget's bucket."""
+        cfg, g = self.params.config, self.scheduler.group
+        probe = Request.build(self.params)
+        most = bucket(self.scheduler.token_budget)
+        for b in rows:
+            for t in (1 << i for i in range(b.bit_length() - 1, most.bit_length())):
+                z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+                idle = PagedRows(z(b, self.rows.width), z(b, g), z(b), z(b), z(b), z(b),
+                                 np.full(t, b, np.int32), z(t), np.int32(0), np.int32(0))  # fmt: skip
+                sampling = SamplingArrays.build([probe.sampling] * b, [probe.seed] * b)
+                tok, self.device = ragged_step(
+                    self.params.weights, cfg, self.device, idle, z(t), z(t), sampling, z(b),
+                    backend=self.backend, dtype=self.kv_dtype,
+                )  # fmt: skip
+                tok.block_until_ready()
