@@ -119,7 +119,9 @@ class Deployment:
         return openai.OpenAI(base_url=(base or self.url) + "/v1", api_key=key, max_retries=0,
                              timeout=120)  # fmt: skip
 
-    def stop(self) -> None:
+    def stop(self) -> tuple[int | None, bool]:
+        """SIGTERM to the launcher; returns its exit code and whether anything it started was
+        still running after it exited (then killed: nothing outlives the fixture)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -127,12 +129,13 @@ class Deployment:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
-        # Nothing it started outlives it: the replicas and the router are in its process group.
+        left = True  # the replicas and the router are in the launcher's process group
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
-            pass
+            left = False
         self.log.close()
+        return self.proc.returncode, left
 
 
 def shared_prefix_traffic(seed: int, prefixes: int = 8, per_prefix: int = 4) -> list[str]:

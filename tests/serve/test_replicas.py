@@ -47,7 +47,8 @@ def deployment(tmp_path_factory, redis_l2):
             _warm(dep.client("key-alpha", dep.replica_url(i)))
         yield dep
     finally:
-        dep.stop()
+        code, left = dep.stop()
+    assert (code, left) == (0, False), "SIGTERM: the launcher exits 0, nothing left running"
 
 
 def _warm(client) -> None:
@@ -150,6 +151,8 @@ def _removed(dep, i: int) -> bool:
 
 
 def test_the_router_loads_no_tokenizer(deployment):
+    models = httpx.get(deployment.url + "/v1/models", timeout=5).json()["data"]
+    assert [m["id"] for m in models] == ["unknown"]  # it asks no replica: ask one for the name
     log = deployment.log_path.read_text()
     assert "No tokenizer_path or model_path found for model unknown" in log
     assert "huggingface" not in log.lower()
@@ -177,6 +180,11 @@ def test_each_replica_gets_the_users_flags_and_its_own_ports():
     router = router_argv(args)
     assert router[router.index("--worker-urls") + 1 :][:2] == [
         "http://127.0.0.1:8001", "http://127.0.0.1:8002"]  # fmt: skip
+    assert router[router.index("--policy") + 1] == "cache_aware"
+    i = router.index("--balance-abs-threshold")
+    assert router[i : i + 4] == ["--balance-abs-threshold", "4", "--balance-rel-threshold", "1.2"]
+    i = router.index("--retry-max-retries")
+    assert router[i : i + 4] == ["--retry-max-retries", "8", "--retry-initial-backoff-ms", "200"]
     assert router[-2:] == ["--cache-threshold", "0.5"]  # after ours: it overrides them
     assert "--tokenizer-path" not in router and "--model-path" not in router
 
