@@ -37,8 +37,9 @@ OPEN = re.compile(r"^<!-- table:([\w-]+) -->", re.M)
 
 
 def pages(root: Path = ROOT) -> list[Path]:
-    """README.md and every Markdown page under docs/."""
-    return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+    """README.md, benchmarks/README.md and every Markdown page under docs/."""
+    extra = [p for p in (root / "benchmarks" / "README.md",) if p.exists()]
+    return [root / "README.md", *extra, *sorted((root / "docs").rglob("*.md"))]
 
 
 def render(text: str, results: Path = RESULTS, where: str = "") -> str:

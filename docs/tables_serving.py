@@ -212,3 +212,30 @@ def cache(results):
         for k, v in d["goals"].items()
     ]
     return lines + [""] + md(["ratio (p50)", "measured", "goal"], goals)
+
+
+@table("serve_scale")
+def serve_scale(results):
+    d = load(results, "serve_scale")
+    rows = [
+        [
+            r["traffic"],
+            r["run"],
+            f"{r['completed']} / {r['requests']}",
+            num(r["out_tok_per_s"]),
+            f"{num(r['ttft_p50_ms'], 0)} / {num(r['ttft_p99_ms'], 0)}",
+            f"{r['prefix_hit_rate']:.3f}",
+            " / ".join(str(b) for b in r["blocks_per_replica"]),
+        ]
+        for r in d["serve"]
+        if r["pass"] == "second"  # the first may still compile a shape (serve_scale.py)
+    ]
+    header = ["traffic", "run", "completed", "tok/s", "TTFT P50 / P99 ms", "prefix hit rate",
+              "blocks looked up per replica"]  # fmt: skip
+    lines = md(header, rows)
+    l2 = d["l2_hit"]
+    names = ("redis", "redis cluster")
+    l2_rows = [[n, num(l2[n]["p50_us"], 1), num(l2[n]["p99_us"], 1)] for n in names]
+    l2_rows.append(["cluster / single", f"{l2['cluster_over_single_p50']:.2f}x",
+                    f"{l2['cluster_over_single_p99']:.2f}x"])  # fmt: skip
+    return lines + [""] + md(["L2 hit (`ResponseCache.get`)", "P50 µs", "P99 µs"], l2_rows)

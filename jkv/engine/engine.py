@@ -88,6 +88,7 @@ class Engine(Streams, PolicySteps, Recovery, Warmup):
         admission_headroom: float = 0.05,
         admission: str = "reserve",
         attention_mass: bool = False,
+        kv_events=None,
     ):
         if not isinstance(params, Params):
             raise ValueError(
@@ -116,6 +117,7 @@ class Engine(Streams, PolicySteps, Recovery, Warmup):
             recycle=recycle,
             recycle_below=recycle_below,
             admission_headroom=admission_headroom,
+            events=kv_events,  # told of every prefix-cache change (page_pool.py, "Events")
         )
         self.pool = PagePool(**self._pool_settings)
         self.scheduler = Scheduler(

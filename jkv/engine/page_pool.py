@@ -25,6 +25,12 @@ Recycling: a cached block whose last user lets go keeps its content and waits in
 `recycle="watermark"` (the seed's rule) also evicts, after every release, until at least
 `recycle_below` of the pool is free of cached pages. `admission_headroom` is the share of the
 pool a new request must leave free to be admitted (vLLM measured ~5% best).
+
+Events (optional, `events=`): an object told of every change to the prefix cache, so that a
+router can index this replica (`jkv serve --kv-events-endpoint`, vLLM's KV events):
+`stored(block_hash, parent_hash, token_ids, block_size)` when a block is cached (parent None
+for a prompt's first block), `removed(block_hash)` when one is forgotten (recycled, or taken
+back by its holder), `cleared()` when all are (`clear_cache`). Called inline: keep it cheap.
 """
 
 from __future__ import annotations
@@ -87,6 +93,7 @@ class PagePool:
         recycle_below: float = 0.15,
         admission_headroom: float = 0.0,
         num_blocks: int | None = None,
+        events=None,
     ):
         for name, value, low in (("num_pages", num_pages, 2), ("page_size", page_size, 1),
                                  ("group_size", group_size, 1)):  # fmt: skip
@@ -122,6 +129,7 @@ class PagePool:
         self._cached: dict[bytes, int] = {}  # block hash -> block
         self._dirty: set[int] = set()
         self.stats = PoolStats()
+        self.events = events
 
     # ------------------------------------------------------------------ capacity (pages)
 
@@ -274,6 +282,8 @@ class PagePool:
 
     def _forget(self, block: int) -> None:
         self._cached.pop(self.block_hash[block], None)
+        if self.events is not None:
+            self.events.removed(self.block_hash[block])
         self.block_hash[block] = None
 
     # ------------------------------------------------------------------ prefix cache
@@ -294,9 +304,10 @@ class PagePool:
             found.append(block)
         return found
 
-    def publish(self, block_hash: bytes, block: int) -> bool:
+    def publish(self, block_hash: bytes, block: int, parent=None, tokens=()) -> bool:
         """Caches one full prompt block (held by the caller) under its hash. Returns False,
-        changing nothing, when the hash is cached already (the first copy stays)."""
+        changing nothing, when the hash is cached already (the first copy stays). `parent`
+        (the previous block's hash) and `tokens` (the block's) are for `events`."""
         if block_hash in self._cached:
             return False
         if self.block_hash[block] is not None or self.refs[block] <= 0:
@@ -305,6 +316,8 @@ class PagePool:
             raise ValueError(f"block {block} has holes: only whole blocks are cached")
         self._cached[block_hash] = block
         self.block_hash[block] = block_hash
+        if self.events is not None:
+            self.events.stored(block_hash, parent, list(tokens), self.page_size)
         return True
 
     def uncache(self, block: int) -> None:
@@ -320,11 +333,14 @@ class PagePool:
         """Forgets every cached block (their bytes were lost: a pool rebuilt after a failed
         step). Idle ones become free. Returns how many were dropped."""
         n = len(self._cached)
-        for block in list(self._cached.values()):
-            self._forget(block)
+        for block in self._cached.values():
+            self.block_hash[block] = None
+        self._cached.clear()
         while self._lru:
             block, _ = self._lru.popitem(last=False)
             self._free_blocks.append(block)
+        if self.events is not None:
+            self.events.cleared()
         return n
 
     def check(self) -> None:
