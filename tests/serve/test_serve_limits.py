@@ -121,7 +121,7 @@ def test_a_prompt_past_the_context_is_refused_before_it_is_tokenised(running):
     assert CountingTokenizer.chars == before
 
 
-SLICE = 0.05  # seconds: what a loaded 2-core machine may take from a process at any moment
+STALL = 0.5  # seconds: a stream gap a loaded machine may show (the old code's stalls: ~2 s)
 # A client process posting `n` bodies of `size` bytes, one every ~50 ms: prints
 # [status, sent, answered] per body (time.monotonic() is one clock for every process).
 REFUSER = """
@@ -140,8 +140,8 @@ with httpx.Client(timeout=60) as client:
 def test_the_event_loop_never_waits_while_a_large_body_is_refused(running):
     """The issue's bounds while 4 MiB bodies are refused: /health within 100 ms (its median;
     none past 0.5 s), the stream's gaps within 5x their median. On a machine busy with other
-    work a bound is the larger of that, what the same measure gives with no body in flight,
-    and a scheduler's time slice (`SLICE`): that is noise, not the server. (On the code
+    work a bound is the larger of that, twice what the same measure gives with no body in
+    flight, and `STALL` (a quarter of the old stalls): that is noise, not the server. (On the code
     before this test, every refusal held the loop ~2 s: each probe and gap near one did.)"""
     body = {"model": "jkv-demo", "prompt": "The code for Mara is", "max_tokens": 200,
             "temperature": 1.0, "seed": 3, "stream": True}  # fmt: skip
@@ -201,7 +201,8 @@ def test_the_event_loop_never_waits_while_a_large_body_is_refused(running):
     # /health: typically within 100 ms, none held for long (main: every one waited ~2 s)
     assert statistics.median(health[True]) < 0.1, health
     assert max(health[True]) < max(0.5, 2 * max(health[False])), health
-    bound = max(5 * median, max(elsewhere), SLICE)
+    # a loaded CI machine stalled one gap 0.12 s; the old code held the loop ~2 s per refusal
+    bound = max(5 * median, 2 * max(elsewhere), STALL)
     assert max(during) <= bound, (median, sorted(during)[-5:], max(elsewhere))
     assert set(refused) == {413}, refused
 
