@@ -8,7 +8,7 @@ CORE_STAMP := $(VENV)/.core-installed
 BENCH_STAMP := $(VENV)/.bench-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test bench bench-serve lint redis clean train-demo
+.PHONY: demo test test-fast docs docs-site bench bench-serve lint redis clean train-demo
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,18 @@ demo: $(CORE_STAMP)
 
 test: $(DEV_STAMP) redis
 	$(PY) -m pytest -q -n 2 $(PYTEST_ARGS)
+
+# The same suite without the tests marked slow (@pytest.mark.slow).
+test-fast: $(DEV_STAMP) redis
+	$(PY) -m pytest -q -n 2 -m "not slow" $(PYTEST_ARGS)
+
+# Rerenders every benchmark table of README.md and docs/ from benchmarks/results/*.json.
+docs:
+	$(PYTHON) docs/render_tables.py
+
+# The documentation site into site/, strictly (a broken link or a missing page fails); offline.
+docs-site: $(DEV_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 # Reproduces the bundled demo model: trains (resumable: run it again after a stop, it continues
 # exactly), then writes models/demo as a Hugging Face folder. TRAIN_ARGS, e.g. --max-minutes 60.
@@ -88,4 +100,4 @@ lint: $(DEV_STAMP)
 	$(PY) -m ruff format --check .
 
 clean:
-	rm -rf $(VENV) $(PEER_VENV) $(LLAMACPP_VENV) build *.egg-info
+	rm -rf $(VENV) $(PEER_VENV) $(LLAMACPP_VENV) build site *.egg-info

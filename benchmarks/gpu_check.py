@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+import gpu_ragged as ragged  # benchmarks/gpu_ragged.py, beside this script
 import gpu_timing as timing  # benchmarks/gpu_timing.py, beside this script
 import jax
 import jax.numpy as jnp
@@ -387,6 +388,9 @@ def run_checks(interpret: bool, seed: int, only=()) -> list[dict]:
             bf16_tol,
         ),
         ("paged_decode_fp8", lambda: check_paged(rng, interpret, dims, "fp8", ""), bf16_tol),
+    ] + [
+        (name, lambda d=dtype, w=window: ragged.check_ragged(rng, interpret, d, w), tol)
+        for name, dtype, window, tol in ragged.CASES
     ]
     results = []
     for name, fn, tol in cases:
@@ -419,11 +423,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument(
         "--budget-s", type=float, default=420.0,
-        help="stop timing after this (decode gets the first 55%%, prefill to 80%%, paged the rest)",
+        help="stop timing after this (decode: the first 55%%, prefill to 80%%, paged to 90%%, ragged)",
     )  # fmt: skip
     ap.add_argument(
-        "--timing", nargs="*", default=["decode", "prefill", "paged"],
-        choices=["decode", "prefill", "paged"], help="which timings to run on a GPU",
+        "--timing", nargs="*", default=["decode", "prefill", "paged", "ragged"],
+        choices=["decode", "prefill", "paged", "ragged"], help="which timings to run on a GPU",
     )  # fmt: skip
     ap.add_argument("--decode-s", type=int, nargs="*", help="decode timing: these S only")
     ap.add_argument("--decode-b", type=int, nargs="*", help="decode timing: these B only")
@@ -480,7 +484,10 @@ def main(argv=None) -> int:
             timing.time_prefill(start + 0.8 * args.budget_s, out / "traces", keep("prefill"))
         if "paged" in args.timing:
             print("paged decode attention timing:")
-            timing.time_paged(start + args.budget_s, out / "traces", keep("paged"))
+            timing.time_paged(start + 0.9 * args.budget_s, out / "traces", keep("paged"))
+        if "ragged" in args.timing:
+            print("ragged paged attention timing (the engine's flattened step):")
+            ragged.time_ragged(start + args.budget_s, out / "traces", keep("ragged"))
     elif not args.cpu:
         report["decode"] = "skipped: no GPU"
     save()

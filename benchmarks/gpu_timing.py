@@ -318,3 +318,9 @@ def print_summary(report):
     for r in report.get("paged") or []:
         cols = {n: r.get(f"{n}_GBps", r.get(f"{n}_error", "-")) for n in ("paged", "dense")}
         print(f"paged decode GB/s B={r['B']} S={r['S']}: {cols} {r.get('skipped', '')}")
+    for r in report.get("ragged") or []:
+        if "ratio" in r:
+            print(f"ragged {r['dtype']} {r['setup']}: {r['ratio']}")
+            continue
+        cols = {n: r.get(f"{n}_GBps", r.get(f"{n}_error", "-")) for n in ("pallas", "xla")}
+        print(f"ragged GB/s {r['dtype']} {r['setup']}: {cols} {r.get('skipped', '')}")

@@ -324,12 +324,11 @@ def run(params: Params, prompts: list[list[int]], req: Request, kv_state=None):
 def chat(params: Params, messages, *, kv_state=None, cache=None, **settings):
     """`generate` of a conversation: the messages rendered by the model's chat template
     (`params.tokenizer.chat_template`, as the server renders them; `jkv.chat` module), the
-    model writing the assistant's turn.
+    model writing the assistant's turn. The other arguments are `generate`'s.
 
     Args:
       messages: a list of {"role", "content"} dicts ("system", "user", "assistant", ...), or
         a list of such lists (a batch, as `generate`'s list of prompts).
-      The other arguments are `generate`'s.
 
     Returns:
       A `GenerationResult`, or a list of them for a batch.

@@ -51,6 +51,7 @@ from jkv_kernels.prefill_attention_mass import (
     prefill_attention_mass_reference,
 )
 from jkv_kernels.ragged_paged_attention import (
+    ragged_paged_attention,
     ragged_paged_attention_reference,
     ragged_paged_attention_xla,
 )
@@ -58,6 +59,7 @@ from jkv_kernels.segment_merge import Merged, segment_merge, segment_merge_refer
 from jkv_kernels.window_scores import window_scores, window_scores_reference
 
 __all__ = [
+    "ragged_paged_attention",
     "ragged_paged_attention_reference",
     "ragged_paged_attention_xla",
     "scatter_set",

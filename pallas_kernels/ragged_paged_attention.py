@@ -25,11 +25,12 @@ sees itself causally, by positions. Maths, for query t of row r, query head n = 
     out[t,n] = sum_i softmax_visible(z)[i] * V[page, off] * v_scale[page, off]
     (zeros where nothing is visible)
 
-Two implementations beside the float32 reference: `ragged_paged_attention_xla`, the engine's
-path on the "xla" backend: loops whose trip counts are the rows, their query tiles and their own
-key blocks (data, not shapes), so its cost grows with the tokens each row holds, never with
-rows x the longest row, and its compiled shape depends on T and R only; and (on the Pallas
-backends) the engine calls `paged_decode_attention` for rows of one query.
+Two implementations beside the float32 reference, both with a cost that grows with the tokens
+each row holds, never with rows x the longest row, and a compiled shape that depends on T, R and
+the pool only: `ragged_paged_attention_xla`, the engine's path on the "xla" backend (loops whose
+trip counts are the rows, their query tiles and their own key blocks: data, not shapes); and
+`ragged_paged_attention`, the Pallas Triton kernel of the "pallas" backends (one program per row,
+kv head and query tile, each walking its own row's key blocks through the page table).
 
 Bytes per call (memory bound, itemsize 4 / 2 / 1): read 2 * sum_r,k len[r,k] * H * itemsize
 (K, V of every row's visible blocks) + 4 * sum len (positions; + 4 for FP8 scales) once per
@@ -39,10 +40,14 @@ query tile of the row, + T*N*H*itemsize (q); write T*N*H*itemsize.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
+
+from jkv_kernels import _backend as bk
 
 _MASKED = -1e30
 
@@ -293,3 +298,207 @@ def ragged_paged_attention_xla(
     out = lax.fori_loop(0, (num_decode + row_tile - 1) // row_tile, decode_tile, out)
     out = lax.fori_loop(num_decode, num_rows, chunk_row, out)
     return out[:t].reshape(t, n, h).astype(q.dtype)
+
+
+def ragged_paged_attention_kernel(
+    *refs,
+    n_heads: int,
+    q_tile: int,
+    page_size: int,
+    block_s: int,
+    sm_scale: float,
+    compute_dtype,
+    fp8: bool,
+    gaps: bool,
+    window: int | None,
+):
+    refs = list(refs)
+    q_ref = refs.pop(0)  # [T, N, H] every query token (gathered by address)
+    k_ref = refs.pop(0)  # [P, page_size, H] the whole key pool; uint8 bits when FP8
+    v_ref = refs.pop(0)  # [P, page_size, H] the whole value pool, same storage
+    table_ref = refs.pop(0)  # [M] page ids of this (row, kv head)
+    len_ref = refs.pop(0)  # [] slots of this (row, kv head) that may be valid
+    start_ref = refs.pop(0)  # [] this row's first query token
+    qlen_ref = refs.pop(0)  # [] its query tokens
+    qpos_ref = refs.pop(0)  # [T] text position of every query token
+    pos_ref = refs.pop(0)  # [P, page_size] text position of every stored token
+    gap_ref = refs.pop(0) if gaps else None  # [2] slots [gap[0], gap[1]) hold nothing
+    ks_ref = refs.pop(0) if fp8 else None  # [P, page_size] key scales
+    vs_ref = refs.pop(0) if fp8 else None  # [P, page_size] value scales
+    _ = refs.pop(0)  # [T + 1, N, H] float32 zeros, aliased to the output
+    o_ref = refs.pop(0)  # [T + 1, N, H] float32 output, written by address (its rows only)
+
+    t_total = q_ref.shape[0]
+    h = q_ref.shape[2]
+    rows_p = bk.block_size(q_tile * n_heads, cap=max(q_tile * n_heads, bk.MIN_DOT),
+                           floor=bk.MIN_DOT)  # fmt: skip
+    kv = pl.program_id(1)
+    t0 = pl.program_id(2) * q_tile
+    q_len = qlen_ref[()]
+    length = len_ref[()]
+    # query row r of this program: token t0 + r // G of the row, query head kv * G + r % G
+    r = jnp.arange(rows_p)
+    local = t0 + r // n_heads
+    row_ok = (r < q_tile * n_heads) & (local < q_len)
+    tok = jnp.where(row_ok, start_ref[()] + local, 0)
+    # rows of no query store to the spare token T: a masked store that shares its address with
+    # a live one may write the old value over it (the interpreter's gather-then-scatter)
+    spare = jnp.where(row_ok, tok, t_total)
+    head = kv * n_heads + r % n_heads
+    cols = jnp.arange(h)
+    q = bk.load(q_ref.at[tok[:, None], head[:, None], cols[None, :]], mask=row_ok[:, None],
+                other=0).astype(compute_dtype)  # fmt: skip
+    qpos = bk.load(qpos_ref.at[tok], mask=row_ok, other=0)  # [rows_p]
+    busy = t0 < q_len
+    n_blocks = jnp.where(busy, (length + block_s - 1) // block_s, 0)
+    offs = jnp.arange(block_s) % page_size
+    decode = functools.partial(bk.to_f32, fp8=fp8)
+    lo = gap_ref[0] if gaps else 0
+    hi = gap_ref[1] if gaps else 0
+
+    def body(i, carry):
+        slots = i * block_s + jnp.arange(block_s)
+        valid = (slots < length) & ((slots < lo) | (slots >= hi))
+        page = bk.load(table_ref.at[slots // page_size], mask=valid, other=0)  # [bs]
+        pos = bk.load(pos_ref.at[page, offs], mask=valid, other=0)
+        kb = decode(bk.load(k_ref.at[page[:, None], offs[:, None], cols[None, :]],
+                            mask=valid[:, None], other=0))  # fmt: skip
+        z = bk.dot(q, kb.astype(compute_dtype), trans_b=True)  # [rows_p, bs]
+        if fp8:
+            ks = bk.load(ks_ref.at[page, offs], mask=valid, other=0).astype(jnp.float32)
+            z = z * ks[None, :]
+        z = z * sm_scale
+        keep = valid[None, :] & (pos[None, :] <= qpos[:, None]) & row_ok[:, None]
+        if window:
+            keep = keep & (qpos[:, None] - pos[None, :] < window)
+        z = jnp.where(keep, z, -jnp.inf)
+        vs = None
+        if fp8:
+            vs = bk.load(vs_ref.at[page, offs], mask=valid, other=0).astype(jnp.float32)
+        vb = decode(bk.load(v_ref.at[page[:, None], offs[:, None], cols[None, :]],
+                            mask=valid[:, None], other=0))  # fmt: skip
+        return bk.softmax_update(carry, z, vb, compute_dtype, vs)
+
+    o, _, lsum = jax.lax.fori_loop(0, n_blocks, body, bk.softmax_start(rows_p, h))
+    out = jnp.where(lsum[:, None] > 0, o / jnp.where(lsum > 0, lsum, 1.0)[:, None], 0.0)
+    bk.store(o_ref.at[spare[:, None], head[:, None], cols[None, :]], out, mask=row_ok[:, None])
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sliding_window",
+        "sm_scale",
+        "q_tile",
+        "pages_per_block",
+        "num_warps",
+        "num_stages",
+        "backend",
+        "interpret",
+        "_fill",
+    ),  # fmt: skip
+)
+def ragged_paged_attention(
+    q,
+    k_pages,
+    v_pages,
+    page_table,
+    lengths,
+    q_start,
+    q_len,
+    q_positions,
+    pos_pages,
+    num_decode=None,
+    num_rows=None,
+    *,
+    gaps=None,
+    k_scale=None,
+    v_scale=None,
+    sliding_window=None,
+    sm_scale=None,
+    q_tile: int = 16,
+    pages_per_block: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    backend: str = "triton",
+    interpret: bool | None = None,
+    _fill: float = 0.0,
+):
+    """The Pallas kernel: the grid (R rows, K kv heads, query tiles) gives each program
+    `q_tile` query tokens of one row times the G query heads of one kv head (rows of Triton's
+    dots, padded to 16), which walk the row's key blocks below its length through the page
+    table, pages gathered by address. A decode row's one query is one program per kv head; a
+    chunk's tiles run side by side. `num_decode` and `num_rows` are accepted for the XLA path's
+    signature (rows past `q_len` 0 do nothing). Returns `[T, N, H]` in q's dtype (zeros for
+    tokens no row owns)."""
+    del num_decode, num_rows
+    bk.check_backend(backend)
+    interpret = bk.resolve_interpret(interpret)
+    _validate(q, k_pages, v_pages, page_table, lengths, gaps, q_start, q_len, q_positions)
+    t, n, h = q.shape
+    p, page_size, _ = k_pages.shape
+    r, kh, m = page_table.shape
+    if not bk.is_pow2(h) or h < bk.MIN_DOT:
+        raise ValueError(f"{q.shape=}: H={h} must be a power of two >= {bk.MIN_DOT}")
+    if not bk.is_pow2(page_size):
+        raise ValueError(f"{k_pages.shape=}: page_size={page_size} must be a power of two")
+    bk.check_block("q_tile", q_tile)
+    if pages_per_block is None:
+        pages_per_block = max(1, 64 // page_size)
+    block_s = pages_per_block * page_size
+    if not bk.is_pow2(block_s) or block_s < bk.MIN_DOT:
+        raise ValueError(
+            f"{pages_per_block=} * {page_size=} = {block_s} must be a power of two >= {bk.MIN_DOT}"
+        )
+    fp8 = k_pages.dtype == bk.FP8
+    if fp8 != (k_scale is not None) or fp8 != (v_scale is not None):
+        raise ValueError("FP8 storage needs both scales, other storage neither")
+    g = n // kh
+    low = q.dtype != jnp.float32 and k_pages.dtype in (q.dtype, bk.FP8)
+    compute_dtype = q.dtype if low else jnp.float32
+    scale = 1.0 / math.sqrt(h) if sm_scale is None else float(sm_scale)
+    # the longest row's query tiles (a static bound: every chunk fits the step's tokens)
+    tiles = bk.cdiv(t, q_tile)
+    per_row = lambda *blk: pl.BlockSpec((None, *blk), lambda i, j, _: (i,) + (0,) * len(blk))  # noqa: E731
+    per_kv = lambda *blk: pl.BlockSpec((None, None, *blk), lambda i, j, _: (i, j) + (0,) * len(blk))  # noqa: E731
+    whole = lambda *shape: pl.BlockSpec(shape, lambda i, j, _: (0,) * len(shape))  # noqa: E731
+    args = [q, bk.to_bits(k_pages), bk.to_bits(v_pages), page_table.astype(jnp.int32),
+            jnp.clip(lengths.astype(jnp.int32), 0, m * page_size), q_start.astype(jnp.int32),
+            q_len.astype(jnp.int32), q_positions.astype(jnp.int32),
+            pos_pages.astype(jnp.int32)]  # fmt: skip
+    in_specs = [
+        whole(t, n, h),  # q: gathered by token and head
+        whole(p, page_size, h),  # k_pages: the whole pool, rows gathered by page id
+        whole(p, page_size, h),  # v_pages
+        per_kv(m),  # page_table: the page ids of (row i, kv head j)
+        per_kv(),  # lengths
+        per_row(),  # q_start of row i
+        per_row(),  # q_len of row i
+        whole(t),  # q_positions
+        whole(p, page_size),  # pos_pages
+    ]
+    if gaps is not None:
+        args.append(gaps.astype(jnp.int32))
+        in_specs.append(per_kv(2))
+    if fp8:
+        args += [k_scale, v_scale]
+        in_specs += [whole(p, page_size), whole(p, page_size)]
+    args.append(jnp.full((t + 1, n, h), _fill, jnp.float32))  # tests poison it with NaN
+    in_specs.append(whole(t + 1, n, h))
+    kernel = functools.partial(
+        ragged_paged_attention_kernel, n_heads=g, q_tile=q_tile, page_size=page_size,
+        block_s=block_s, sm_scale=scale, compute_dtype=compute_dtype, fp8=fp8,
+        gaps=gaps is not None, window=sliding_window,
+    )  # fmt: skip
+    out = pl.pallas_call(
+        kernel,
+        grid=(r, kh, tiles),
+        in_specs=in_specs,
+        out_specs=whole(t + 1, n, h),
+        out_shape=jax.ShapeDtypeStruct((t + 1, n, h), jnp.float32),
+        input_output_aliases={len(args) - 1: 0},
+        compiler_params=bk.compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name="jkv_ragged_paged_attention",
+    )(*args)
+    return out[:t].astype(q.dtype)

@@ -27,6 +27,7 @@ from jkv_kernels import (
     prefill_attention_mass_blocked,
     quantize_append,
     quantize_append_xla,
+    ragged_paged_attention,
     ragged_paged_attention_xla,
     segment_merge,
     segment_merge_reference,
@@ -70,6 +71,7 @@ def _kernels(name: str, interpret: bool) -> Ops:
         segment_merge=k(segment_merge),
         decode_attention=k(decode_attention),
         lowrank_attention=k(lowrank_attention),
+        ragged_attention=k(ragged_paged_attention),
     )
 
 

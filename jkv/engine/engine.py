@@ -96,6 +96,7 @@ class Engine(Streams, PolicySteps, Recovery, Warmup):
         admission: str = "reserve",
         attention_mass: bool = False,
         mesh=None,
+        kv_events=None,
     ):
         if not isinstance(params, Params):
             raise ValueError(
@@ -130,6 +131,7 @@ class Engine(Streams, PolicySteps, Recovery, Warmup):
             admission_headroom=admission_headroom,
             shards=self.tp,
             num_kv_heads=cfg.num_kv_heads,
+            events=kv_events,  # told of every prefix-cache change (page_pool.py, "Events")
         )
         if isinstance(num_pages, int) and num_pages % self.tp:
             raise ValueError(

@@ -31,6 +31,12 @@ Sharded over kv heads (`shards` > 1, the engine's tensor-parallel degree): the p
 device s of the "model" axis stores, its first page that device's null page. Column j of a
 block (kv head `j % num_kv_heads`) always gets its page from the segment of the device that
 owns its head, so a head's pages live with its weights; loose pages are kept per segment.
+
+Events (optional, `events=`): an object told of every change to the prefix cache, so that a
+router can index this replica (`jkv serve --kv-events-endpoint`, vLLM's KV events):
+`stored(block_hash, parent_hash, token_ids, block_size)` when a block is cached (parent None
+for a prompt's first block), `removed(block_hash)` when one is forgotten (recycled, or taken
+back by its holder), `cleared()` when all are (`clear_cache`). Called inline: keep it cheap.
 """
 
 from __future__ import annotations
@@ -95,6 +101,7 @@ class PagePool:
         num_blocks: int | None = None,
         shards: int = 1,
         num_kv_heads: int = 1,
+        events=None,
     ):
         for name, value, low in (("num_pages", num_pages, 2), ("page_size", page_size, 1),
                                  ("group_size", group_size, 1)):  # fmt: skip
@@ -149,6 +156,7 @@ class PagePool:
         self._cached: dict[bytes, int] = {}  # block hash -> block
         self._dirty: set[int] = set()
         self.stats = PoolStats()
+        self.events = events
 
     # ------------------------------------------------------------------ capacity (pages)
 
@@ -318,6 +326,8 @@ class PagePool:
 
     def _forget(self, block: int) -> None:
         self._cached.pop(self.block_hash[block], None)
+        if self.events is not None:
+            self.events.removed(self.block_hash[block])
         self.block_hash[block] = None
 
     # ------------------------------------------------------------------ prefix cache
@@ -338,9 +348,10 @@ class PagePool:
             found.append(block)
         return found
 
-    def publish(self, block_hash: bytes, block: int) -> bool:
+    def publish(self, block_hash: bytes, block: int, parent=None, tokens=()) -> bool:
         """Caches one full prompt block (held by the caller) under its hash. Returns False,
-        changing nothing, when the hash is cached already (the first copy stays)."""
+        changing nothing, when the hash is cached already (the first copy stays). `parent`
+        (the previous block's hash) and `tokens` (the block's) are for `events`."""
         if block_hash in self._cached:
             return False
         if self.block_hash[block] is not None or self.refs[block] <= 0:
@@ -349,6 +360,8 @@ class PagePool:
             raise ValueError(f"block {block} has holes: only whole blocks are cached")
         self._cached[block_hash] = block
         self.block_hash[block] = block_hash
+        if self.events is not None:
+            self.events.stored(block_hash, parent, list(tokens), self.page_size)
         return True
 
     def uncache(self, block: int) -> None:
@@ -364,11 +377,14 @@ class PagePool:
         """Forgets every cached block (their bytes were lost: a pool rebuilt after a failed
         step). Idle ones become free. Returns how many were dropped."""
         n = len(self._cached)
-        for block in list(self._cached.values()):
-            self._forget(block)
+        for block in self._cached.values():
+            self.block_hash[block] = None
+        self._cached.clear()
         while self._lru:
             block, _ = self._lru.popitem(last=False)
             self._free_blocks.append(block)
+        if self.events is not None:
+            self.events.cleared()
         return n
 
     def check(self) -> None:

@@ -57,6 +57,7 @@ class Recovery:
         cache forgotten; the pool's books re-created, and its device arrays if `lost`."""
         self.scheduler.preempt_all()
         if self.pool.used_pages or not self._books_add_up():
+            self.pool.clear_cache()  # its cached blocks die with it: `kv_events` hears so
             self.pool = PagePool(**self._pool_settings)
             self.scheduler.pool = self.pool
             lost = True

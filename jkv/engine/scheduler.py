@@ -320,9 +320,10 @@ class Scheduler:
         full = min(seq.num_computed, len(seq.prompt)) // self.pool.page_size
         if full <= seq.published:
             return
-        hashes = self._hashes(seq, full)
+        hashes, page = self._hashes(seq, full), self.pool.page_size
         for j in range(seq.published, full):
-            self.pool.publish(hashes[j], seq.blocks[j])
+            parent, tokens = (hashes[j - 1] if j else None), seq.prompt[j * page : (j + 1) * page]
+            self.pool.publish(hashes[j], seq.blocks[j], parent, tokens)
         seq.published = full
 
     def compress(

@@ -1,6 +1,6 @@
 """`jkv cache ...`: inspect the shared cache and invalidate a model or an embedding group.
 
-    jkv cache stats [--redis-url URL]
+    jkv cache stats [--redis-url URL]        (URL: redis://h:p/0 or redis+cluster://h:p,h:p)
     jkv cache invalidate-model MODEL --redis-url URL
     jkv cache invalidate-group MODEL CLUSTER_ID --redis-url URL
 
@@ -19,6 +19,7 @@ from typing import Any
 
 from jkv.response_cache import keys as K
 from jkv.response_cache.config import CacheConfig, check_redis_url
+from jkv.response_cache.connect import connect
 from jkv.response_cache.invalidation import check_cluster_id
 from jkv.response_cache.l2 import CacheUnavailableError
 from jkv.response_cache.response_cache import ResponseCache
@@ -109,7 +110,7 @@ def _stats(url: str | None) -> dict:
     check_redis_url(url)
     import redis
 
-    client = redis.Redis.from_url(url, socket_connect_timeout=1.0, socket_timeout=5.0)
+    client = connect(url, socket_connect_timeout=1.0, socket_timeout=5.0)
     try:
         models: dict[str, dict] = {}
         for raw in client.scan_iter(match="llm:gen:*", count=_SCAN_COUNT):
@@ -117,14 +118,15 @@ def _stats(url: str | None) -> dict:
             # None: a value no node can read (the model's cache is bypassed until repaired)
             models.setdefault(name, {})["generation"] = K.parse_generation(client.get(raw))
         for raw in client.scan_iter(match=K.PREFIX + "*", count=_SCAN_COUNT):
-            name, sep, rest = raw.decode("utf-8", "replace")[len(K.PREFIX) + 1 :].partition("}:")
-            if not sep:  # not a key jkv wrote: nothing to count it under
+            tag, sep, rest = raw.decode("utf-8", "replace")[len(K.PREFIX) + 1 :].partition("}:")
+            name, colon, _bucket = tag.rpartition(":")
+            if not sep or not colon:  # not a key jkv wrote: nothing to count it under
                 continue
             counts = models.setdefault(name, {}).setdefault("keys_by_generation", {})
             gen = rest.split(":", 1)[0]
             counts[gen] = counts.get(gen, 0) + 1
-        memory = client.info("memory").get("used_memory", 0)
-    except (redis.ConnectionError, redis.TimeoutError) as e:
+        memory = _used_memory(client.info("memory"))
+    except (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterError) as e:
         raise CacheUnavailableError(_one_line(e)) from None
     finally:
         client.close()
@@ -132,3 +134,10 @@ def _stats(url: str | None) -> dict:
         entry.setdefault("generation", 0)
         entry.setdefault("keys_by_generation", {})
     return {"redis": url, "used_memory_bytes": memory, "models": models, "defaults": defaults}
+
+
+def _used_memory(info: dict) -> int:
+    """`INFO memory`'s used_memory; a cluster answers per node ({node: info}): their sum."""
+    if "used_memory" in info:
+        return int(info["used_memory"])
+    return sum(int(v.get("used_memory", 0)) for v in info.values() if isinstance(v, dict))

@@ -7,37 +7,12 @@ import math
 import os
 import socket
 import uuid
-from urllib.parse import urlsplit
 
+from jkv.response_cache.connect import check_redis_url
 from jkv.response_cache.keys import check_namespace
 
 MiB = 1 << 20
-REDIS_SCHEMES = ("redis", "rediss", "unix")
-
-
-def check_redis_url(url: object) -> str:
-    """Validates a Redis URL's shape (not its reachability).
-
-    Raises:
-        ValueError: not a str, or a scheme other than redis://, rediss://, unix://.
-    """
-    if not isinstance(url, str):
-        raise ValueError(f"redis_url={url!r} must be a str such as redis://localhost:6379/0")
-    parts = urlsplit(url)
-    if parts.scheme not in REDIS_SCHEMES:
-        raise ValueError(
-            f"redis_url={url!r} must start with redis://, rediss:// or unix:// "
-            f"(got scheme {parts.scheme!r})"
-        )
-    if parts.scheme != "unix" and not parts.hostname:
-        raise ValueError(f"redis_url={url!r} has no host")
-    if parts.scheme == "unix" and not parts.path:
-        raise ValueError(f"redis_url={url!r} has no socket path")
-    try:
-        parts.port  # noqa: B018 -- raises on a bad port
-    except ValueError:
-        raise ValueError(f"redis_url={url!r} has an invalid port") from None
-    return url
+__all__ = ["CacheConfig", "MiB", "check_redis_url"]
 
 
 def _positive(name: str, value: object, *, integer: bool = False) -> None:
@@ -52,7 +27,8 @@ class CacheConfig:
     """Everything tunable about a `ResponseCache`. Times are in seconds unless named `_ms`.
 
     Attributes:
-        redis_url: L2 location; None means L1 only (embedded mode).
+        redis_url: L2 location (one server, or a cluster: `redis+cluster://h:p,h:p`, see
+            `connect.py`); None means L1 only (embedded mode).
         namespace: the tenant; part of every key's hash.
         normalize_whitespace: hash str prompts whitespace-normalised (the seed's canonical
             hash), for callers whose model cannot see whitespace; default: exactly as given.
@@ -72,6 +48,8 @@ class CacheConfig:
         log_interval: at most one log line per error kind per this many seconds.
         channel: the Pub/Sub channel of invalidation events.
         cleanup_batch: SCAN COUNT and UNLINK batch size of invalidation cleanups.
+        admin_retry: on a cluster, how long admin calls (invalidations) retry through a
+            failover before raising (a replica takes over in seconds); one server: no retry.
     """
 
     redis_url: str | None = None
@@ -93,6 +71,7 @@ class CacheConfig:
     log_interval: float = 10.0
     channel: str = "llm:invalidate"
     cleanup_batch: int = 1000
+    admin_retry: float = 15.0
 
     def __post_init__(self) -> None:
         if self.redis_url is not None:
@@ -106,7 +85,7 @@ class CacheConfig:
             _positive(name, getattr(self, name), integer=True)
         for name in ("l1_ttl", "connect_timeout", "op_timeout", "lease_wait"):
             _positive(name, getattr(self, name))
-        for name in ("generation_refresh", "breaker_backoff", "log_interval"):
+        for name in ("generation_refresh", "breaker_backoff", "log_interval", "admin_retry"):
             _positive(name, getattr(self, name))
         if not isinstance(self.channel, str) or not self.channel:
             raise ValueError(f"channel={self.channel!r} must be a non-empty str")

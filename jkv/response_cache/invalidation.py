@@ -1,7 +1,7 @@
 """Invalidation: model generations, group drops, and the Pub/Sub listener.
 
 Model weights updated (`invalidate_model`):
-  1. `INCR llm:gen:{model}`. Every key carries the model's generation, so from this moment
+  1. `INCR llm:gen:{model}` (on a cluster, then `WAIT 1` on that primary: see l2.py). Every key carries the model's generation, so from this moment
      no node that knows the new generation can read or write an old entry.
   2. The issuing node drops the model's L1 entries and PUBLISHes `{"op": "model", ...}` on
      the channel; every listening node adopts the new generation and drops its L1 entries.
@@ -15,13 +15,23 @@ the listener thread re-reads all known counters every `generation_refresh` secon
 default), which bounds staleness when an event is lost. Lookups never wait on Redis for it.
 
 Knowledge refresh (`invalidate_group`): each stored response is SADDed (in the same MULTI as
-its SET) to `llm:group:{model}:<generation>:<cluster_id>`, a set with its own TTL. The set is
-RENAMEd aside, its members UNLINKed page by page (SSCAN), and `{"op": "group", ...}` is
-published so every node drops that group's L1 entries.
+its SET) to `llm:group:{model:<bucket>}:<generation>:<cluster_id>`, a set with its own TTL,
+in the response's bucket (so one slot holds both). Each bucket's set is RENAMEd aside, its
+members UNLINKed page by page (SSCAN), and `{"op": "group", ...}` is published so every node
+drops that group's L1 entries.
 
 Lost channel: when the listener's connection breaks it resubscribes with backoff and, once
 subscribed again, re-reads the generations and flushes the whole L1, since events may have
 been missed meanwhile. Until then L1 keeps serving; `l1_ttl` caps how stale it can be.
+
+On a Redis Cluster the channel is sharded (SSUBSCRIBE on the primary of its slot). A failover
+of that primary breaks every listener's connection at once: each re-reads the slot map and
+resubscribes to the new primary (within the failover time plus at most 1 s of backoff), and
+flushes its L1 as above. So an event lost in a failover leaves a node stale for at most that
+long: model invalidations sooner still, since the generation refresh reads the counter from
+its own shard every `generation_refresh` seconds whatever happens to the channel; `l1_ttl`
+remains the bound if the cluster never recovers. An invalidation whose PUBLISH failed raises
+(`CacheUnavailableError`, after `admin_retry` seconds): run it again.
 
 Bad content: a generation counter that is not an integer makes the model's generation
 unknown (None): the node drops the model's L1 entries and bypasses both tiers for it (a key
@@ -220,14 +230,12 @@ class Invalidator:
         l2.publish(self._config.channel, self._event("model", model, gen))
 
         def work() -> int:
-            def old(key: bytes, n: int) -> bool:
-                g = K.generation_of(key.decode("utf-8", "replace"), n)
+            def old(key: bytes) -> bool:
+                g = K.generation_of(key.decode("utf-8", "replace"))
                 return g is not None and g < gen
 
-            resp = K.response_pattern(model)
-            groups = K.group_pattern(model)
-            removed = l2.scan_unlink(resp, lambda k: old(k, len(resp) - 1), batch)
-            l2.scan_unlink(groups, lambda k: old(k, len(groups) - 1), batch)
+            removed = l2.scan_unlink(K.response_pattern(model), old, batch)
+            l2.scan_unlink(K.group_pattern(model), old, batch)
             self._metrics.inc("l2_keys_unlinked", removed)
             return removed
 
@@ -257,7 +265,7 @@ class Invalidator:
                 K.group_pattern(model, cluster_id), self._config.cleanup_batch
             )
         else:
-            sets = [K.group_key(model, gen, cluster_id)]
+            sets = K.group_keys(model, gen, cluster_id)  # one per bucket
         removed = sum(self._l2.drain_set(key, self._config.cleanup_batch) for key in sets)
         self._l1.drop_group(model, cluster_id)
         self._l2.publish(self._config.channel, self._event("group", model, gen or 0, cluster_id))
@@ -392,6 +400,7 @@ class Listener:
             self._metrics.error("pubsub")
             self._errlog.warning("pubsub", f"subscribe failed: {type(e).__name__}: {e}")
             _close_quietly(pubsub)
+            self._l2.refresh_topology()  # a cluster's channel may have a new primary
             return False
         self._pubsub = pubsub
         self._inv.on_subscribed()

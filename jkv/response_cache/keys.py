@@ -2,11 +2,15 @@
 
 Key format::
 
-    llm:response:{<model_name>}:<generation>:<sha256 hex>
+    llm:response:{<model_name>:<bucket>}:<generation>:<sha256 hex>
 
 The braces are part of the key. In Redis Cluster a `{...}` substring is a hash tag: only the
-text inside it is hashed to pick the slot, so all of one model's keys (responses, group sets,
-leases, its generation counter) live in one slot and may share a MULTI or a pipeline.
+text inside it is hashed to pick the slot. One tag per model would put all of a model's keys
+on one primary, so the tag also holds a bucket, the digest's first byte modulo `BUCKETS`
+(two hex digits, 00-3f): a model's responses spread over 64 slots, hence over every primary,
+while an entry and what must change with it (its group set, its lease) share one slot and
+may share a MULTI. The generation counter, `llm:gen:{<model_name>}`, is one key per model.
+A single server keeps the same keys (one code path); the bucket costs it nothing.
 
 `<generation>` is the model's invalidation counter (see `invalidation.py`): bumping it makes
 every older key unreachable at once, before the old keys are deleted in the background.
@@ -368,27 +372,39 @@ def request_hash(
     return _HASHERS[normalize_whitespace is True].digest(namespace, model_version, prompt, settings)
 
 
-RESPONSE_KEY = PREFIX + "{{{}}}:{}:{}"  # .format(model_name, generation, digest)
+BUCKETS = 64  # hash-tag buckets per model; changing it moves every key
+RESPONSE_KEY = PREFIX + "{{{}:{:02x}}}:{}:{}"  # .format(model, bucket, generation, digest)
+
+
+def bucket_of(digest: str) -> int:
+    """The bucket of a request digest (64 hex characters): its first byte modulo BUCKETS."""
+    return int(digest[:2], 16) % BUCKETS
 
 
 def response_key(model_name: str, generation: int, digest: str) -> str:
-    """`llm:response:{model_name}:generation:digest` (model name already validated)."""
-    return RESPONSE_KEY.format(model_name, generation, digest)
+    """`llm:response:{model_name:bucket}:generation:digest` (model name already validated)."""
+    return RESPONSE_KEY.format(model_name, bucket_of(digest), generation, digest)
 
 
 def response_pattern(model_name: str) -> str:
-    """SCAN MATCH pattern for every generation of one model's responses."""
-    return f"{PREFIX}{{{model_name}}}:*"
+    """SCAN MATCH pattern for every bucket and generation of one model's responses (a model
+    name holds no ':' or glob character, so no other model's keys match)."""
+    return f"{PREFIX}{{{model_name}:*"
 
 
-def group_key(model_name: str, generation: int, group_id: int) -> str:
-    """The Redis set that lists one embedding cluster's response keys."""
-    return f"llm:group:{{{model_name}}}:{generation}:{group_id}"
+def group_key(model_name: str, generation: int, group_id: int, bucket: int) -> str:
+    """The Redis set that lists one embedding cluster's response keys in one bucket."""
+    return f"llm:group:{{{model_name}:{bucket:02x}}}:{generation}:{group_id}"
+
+
+def group_keys(model_name: str, generation: int, group_id: int) -> list[str]:
+    """One embedding cluster's sets, every bucket."""
+    return [group_key(model_name, generation, group_id, b) for b in range(BUCKETS)]
 
 
 def group_pattern(model_name: str, group_id: int | None = None) -> str:
     """SCAN MATCH pattern for every group set of one model (of one group id, if given)."""
-    pattern = f"llm:group:{{{model_name}}}:*"
+    pattern = f"llm:group:{{{model_name}:*"
     return pattern if group_id is None else f"{pattern}:{group_id}"
 
 
@@ -402,9 +418,11 @@ def lease_key(response: str) -> str:
     return "llm:lease:" + response[len(PREFIX) :]
 
 
-def generation_of(key: str, pattern_prefix_len: int) -> int | None:
-    """Parses the generation field of a response or group key, None when malformed."""
-    return parse_generation(key[pattern_prefix_len:].split(":", 1)[0])
+def generation_of(key: str) -> int | None:
+    """Parses the generation field of a response or group key (after the hash tag), None
+    when malformed."""
+    _, sep, rest = key.partition("}:")
+    return parse_generation(rest.split(":", 1)[0]) if sep else None
 
 
 def parse_generation(value: str | bytes | None) -> int | None:

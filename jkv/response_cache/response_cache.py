@@ -163,7 +163,7 @@ class ResponseCache:
         if gen is None:
             self._metrics.inc("bypassed")
             return None
-        return K.RESPONSE_KEY.format(model_name, gen, digest), gen
+        return K.RESPONSE_KEY.format(model_name, int(digest[:2], 16) % K.BUCKETS, gen, digest), gen
 
     def key(
         self, model_name: str, model_version: str, prompt: K.Prompt, settings: Mapping[str, Any]
@@ -299,7 +299,8 @@ class ResponseCache:
         self._l1.put(key, record, len(data), model_name)
         if self._l2 is not None:
             gid = record.group_id
-            group = K.group_key(model_name, gen, gid) if gid is not None else None
+            bucket = K.bucket_of(key[-64:])  # the digest ends the key
+            group = K.group_key(model_name, gen, gid, bucket) if gid is not None else None
             self._l2.put(key, data, group)
 
     # -- lookup, then fill: the generation happens between them, in the caller -------------

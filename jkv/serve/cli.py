@@ -1,6 +1,7 @@
 """`jkv serve MODEL [...]`: loads the model, builds the engine and runs the server with uvicorn
 until SIGTERM or Ctrl-C (then it stops accepting connections, lets in-flight requests finish
-for up to --shutdown-timeout seconds, and exits)."""
+for up to --shutdown-timeout seconds, and exits). `--replicas N` runs N of them behind
+sglang-router instead (`replicas.py`)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,17 @@ import os
 import signal
 import sys
 
+import jax
+
 import jkv
 from jkv.checkpoints import DEMO_DIR
 from jkv.compile_time import use_compile_cache
 from jkv.request import resolve_policy
-from jkv.serve import auth
+from jkv.response_cache import CacheUnavailableError
+from jkv.response_cache.config import check_redis_url
+from jkv.serve import auth, replicas
 from jkv.serve.body import MAX_BODY_BYTES
+from jkv.serve.kv_events import KVEventPublisher, check_endpoint
 from jkv.serve.metrics import JsonFormatter
 from jkv.serve.server import Server, chat_template_of
 
@@ -58,7 +64,9 @@ def add_subcommand(sub) -> None:
     s.add_argument("--admission", choices=("reserve", "optimistic"), default="reserve",
                    help="reserve: pages for max_tokens at admission; optimistic: preempt later")  # fmt: skip
     s.add_argument("--redis-url", default=None,
-                   help="the response cache's L2 (Redis); default: in-process L1 only")  # fmt: skip
+                   help="the response cache's L2: one Redis (redis://HOST:PORT/0) or a Redis "
+                   "Cluster (redis+cluster://HOST:PORT,HOST:PORT); default: in-process L1 "
+                   "only")  # fmt: skip
     s.add_argument("--no-response-cache", action="store_true",
                    help="answer every request from the engine")  # fmt: skip
     s.add_argument("--max-queued-requests", type=int, default=512,
@@ -81,10 +89,20 @@ def add_subcommand(sub) -> None:
     s.add_argument("--max-prompt-chars", type=int, default=None,
                    help="longer prompts get 400 before they are tokenised (default: 32 per "
                    "token of the context)")  # fmt: skip
+    s.add_argument("--kv-events-endpoint", default=None, metavar="ENDPOINT",
+                   help="publish the prefix cache's changes as vLLM's KV events (ZeroMQ PUB "
+                   "bound here, e.g. tcp://127.0.0.1:5557) for KV-aware routers")  # fmt: skip
+    s.add_argument("--kv-events-replay-endpoint", default=None, metavar="ENDPOINT",
+                   help="the replay socket (ROUTER) subscribers refill gaps from")  # fmt: skip
+    s.add_argument("--kv-events-topic", default="", help="the events' topic frame")
+    s.add_argument("--kv-events-rank", type=int, default=0,
+                   help="data_parallel_rank in the events (a replica's index)")  # fmt: skip
     s.add_argument("--warmup", action="store_true", help="compile every step shape first")
     s.add_argument("--shutdown-timeout", type=_seconds, default=30.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish")  # fmt: skip
     s.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="JSON logs on stderr")
+    replicas.add_flags(s)
+    s.set_defaults(serve_parser=s)  # --replicas rebuilds each replica's argv from it
 
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -175,6 +193,11 @@ def _run(args: argparse.Namespace) -> int:
         if value is not None
     }
     policy = resolve_policy(args.kv_policy, args.kv_budget)  # before the model loads
+    if args.redis_url is not None:
+        check_redis_url(args.redis_url)
+    for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+        if getattr(args, name) is not None:
+            check_endpoint(name, getattr(args, name))
     keys = auth.load(args.api_key, args.api_keys_file, os.environ)
     log = logging.getLogger("jkv.serve")
     if keys is None:
@@ -185,6 +208,42 @@ def _run(args: argparse.Namespace) -> int:
         )
     else:
         log.info("%d API keys, %d tenants", len(keys), len(keys.tenants))
+    if args.replicas != 1:  # every replica checks the same flags again, and loads the model
+        return replicas.launch(args.serve_parser, args)
+    try:  # before the model loads: a cluster none of whose nodes answers fails at once
+        cache = None if args.no_response_cache else jkv.ResponseCache(args.redis_url)
+    except CacheUnavailableError as e:
+        print(f"jkv: error: {e}", file=sys.stderr)
+        return 1
+    events = None
+    try:
+        events = _kv_events(args)
+        return _run_with(args, defaults, policy, keys, cache, events, log)
+    finally:
+        if events is not None:
+            events.close()
+        if cache is not None:
+            cache.close()
+
+
+def _kv_events(args: argparse.Namespace):
+    if args.kv_events_endpoint is None:
+        return None
+    medium = {"cpu": "CPU", "tpu": "TPU"}.get(jax.default_backend(), "GPU")
+    events = KVEventPublisher(
+        args.kv_events_endpoint,
+        args.kv_events_replay_endpoint,
+        topic=args.kv_events_topic,
+        rank=args.kv_events_rank,
+        medium=medium,
+    )
+    logging.getLogger("jkv.serve").info(
+        "KV events on %s (replay: %s)", args.kv_events_endpoint, args.kv_events_replay_endpoint
+    )
+    return events
+
+
+def _run_with(args, defaults, policy, keys, cache, events, log) -> int:
     use_compile_cache()
     params = jkv.load(args.model)
     if args.served_model_name:
@@ -202,32 +261,28 @@ def _run(args: argparse.Namespace) -> int:
         recycle_below=args.recycle_below,
         admission_headroom=args.admission_headroom,
         admission=args.admission,
+        kv_events=events,
     )
     template, special = chat_template_of(DEMO_DIR if args.model == "demo" else args.model)
-    cache = None if args.no_response_cache else jkv.ResponseCache(args.redis_url)
-    try:
-        server = Server(
-            params,
-            engine,
-            response_cache=cache,
-            max_queued_requests=args.max_queued_requests,
-            max_queued_tokens=args.max_queued_tokens,
-            reserve_tokens=args.reserve_tokens,
-            chat_template=template,
-            special_tokens=special,
-            defaults=defaults,
-            max_body_bytes=args.max_body_bytes,
-            max_prompt_chars=args.max_prompt_chars,
-            api_keys=keys,
-            protect_health_metrics=args.protect_health_metrics,
-        )
-        if args.warmup:
-            seconds = engine.warmup(kv_policies=[policy] if policy is not None else ())
-            log.info("warmed up in %.1f s", seconds)
-        _serve(server, args)
-    finally:
-        if cache is not None:
-            cache.close()
+    server = Server(
+        params,
+        engine,
+        response_cache=cache,
+        max_queued_requests=args.max_queued_requests,
+        max_queued_tokens=args.max_queued_tokens,
+        reserve_tokens=args.reserve_tokens,
+        chat_template=template,
+        special_tokens=special,
+        defaults=defaults,
+        max_body_bytes=args.max_body_bytes,
+        max_prompt_chars=args.max_prompt_chars,
+        api_keys=keys,
+        protect_health_metrics=args.protect_health_metrics,
+    )
+    if args.warmup:
+        seconds = engine.warmup(kv_policies=[policy] if policy is not None else ())
+        log.info("warmed up in %.1f s", seconds)
+    _serve(server, args)
     return 0
 
 

@@ -31,20 +31,24 @@ def random_prompts(rng, n, vocab, low=3, high=60):
 
 
 @pytest.mark.parametrize(
-    "kind, kv_dtype",
+    "kind, kv_dtype, backend",
     [
-        ("llama", "float32"),
-        ("llama", "bfloat16"),
-        ("mistral", "float32"),
+        ("llama", "float32", "xla"),
+        ("llama", "bfloat16", "xla"),
+        ("mistral", "float32", "xla"),
+        # the flattened step through the Pallas ragged kernel (interpreted: fp8 scales and a
+        # sliding window), generate on xla
+        ("mistral", "fp8", "pallas_interpret"),
     ],
 )
-def test_requests_arriving_at_random_steps_match_generate_alone(tiny_params, kind, kv_dtype):
+def test_requests_arriving_at_random_steps_match_generate_alone(tiny_params, kind, kv_dtype,
+                                                                backend):  # fmt: skip
     demo = tiny_params(kind, **({"sliding_window": 16} if kind == "mistral" else {}))
     rng = random.Random(3)
     # 20 usable pages, 4 per 16 tokens (2 layers x 2 kv heads): room for one and a half
     # requests, so pages are recycled and requests preempted
     engine = Engine(demo, num_pages=21, page_size=16, token_budget=32, chunk=16, max_running=2,
-                    kv_dtype=kv_dtype, admission="optimistic")  # fmt: skip
+                    kv_dtype=kv_dtype, admission="optimistic", backend=backend)  # fmt: skip
     prompts = random_prompts(rng, 5, demo.config.vocab_size, 17, 32)  # one prompt bucket
     lengths = [rng.randint(5, 8) for _ in prompts]  # one decode bucket for generate
     pending = list(range(len(prompts)))
@@ -53,7 +57,8 @@ def test_requests_arriving_at_random_steps_match_generate_alone(tiny_params, kin
         for _ in range(rng.randint(0, 2)):  # requests arrive while others decode
             if pending:
                 i = pending.pop(0)
-                rid = engine.add_request(prompts[i], max_new_tokens=lengths[i], kv_dtype=kv_dtype)
+                rid = engine.add_request(prompts[i], max_new_tokens=lengths[i], kv_dtype=kv_dtype,
+                                         backend=backend)  # fmt: skip
                 got[rid] = (i, [])
         for out in engine.step():
             got[out.request_id][1].extend(out.new_tokens)
@@ -102,7 +107,8 @@ def test_a_prefix_hit_gives_the_same_tokens(demo):
 
 
 def test_no_step_compiles_after_warmup(demo):
-    engine = Engine(demo, num_pages=64, page_size=16, chunk=16, max_running=2, max_model_len=32)
+    engine = Engine(demo, num_pages=64, page_size=16, token_budget=32, chunk=16, max_running=2,
+                    max_model_len=32)  # fmt: skip
     seconds = engine.warmup()
     assert seconds > 0
     compiled = (ragged_step, paged_step, write_pages)

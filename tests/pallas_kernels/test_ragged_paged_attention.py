@@ -1,4 +1,5 @@
-"""ragged_paged_attention_xla (the engine's XLA path) against its float32 reference, and the
+"""ragged_paged_attention_xla (the engine's XLA path) and ragged_paged_attention (the Pallas
+kernel, interpret mode, and lowered for CUDA) against their float32 reference, and the
 reference against the dense decode reference and a numpy loop of its own.
 
 Pools are built like the engine's: each (row, kv head) gets pages drawn shuffled from the pool;
@@ -9,6 +10,8 @@ of their tail); every slot no head reads is poisoned (NaN K, V and scales, a far
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -16,6 +19,7 @@ import pytest
 from jkv_kernels.decode_attention import decode_attention_reference
 from jkv_kernels.kv_quantize import quantize_reference
 from jkv_kernels.ragged_paged_attention import (
+    ragged_paged_attention,
     ragged_paged_attention_reference,
     ragged_paged_attention_xla,
 )
@@ -132,7 +136,7 @@ CASES = [  # (query lengths per row, page, pages per row, dtype, gaps, window)
 ]
 
 
-@pytest.mark.parametrize(
+EVERY_CASE = pytest.mark.parametrize(
     "q_lens, page, m, dtype, gaps, window",
     CASES,
     ids=[
@@ -140,6 +144,9 @@ CASES = [  # (query lengths per row, page, pages per row, dtype, gaps, window)
         for c in CASES
     ],  # fmt: skip
 )
+
+
+@EVERY_CASE
 def test_xla_path_matches_the_reference(rng, rel_err, q_lens, page, m, dtype, gaps, window):
     a = make_case(rng, q_lens, page, m, dtype, gaps)
     ref = ragged_paged_attention_reference(**a, sliding_window=window)
@@ -168,3 +175,33 @@ def test_the_reference_is_dense_decode_attention_on_one_query_rows(rng, rel_err)
     dense_v = np.asarray(a["v_pages"])[a["page_table"]].reshape(4, KH, -1, H)
     dense = decode_attention_reference(a["q"][:4], dense_k, dense_v, a["lengths"])
     assert rel_err(ref[:4], dense) < 1e-5 and page == 4
+
+
+@EVERY_CASE
+def test_pallas_kernel_matches_the_reference(rng, rel_err, q_lens, page, m, dtype, gaps, window):
+    """Interpret mode, the output poisoned with NaN: every token a row owns is written."""
+    a = make_case(rng, q_lens, page, m, dtype, gaps)
+    ref = np.asarray(ragged_paged_attention_reference(**a, sliding_window=window))
+    if dtype == "bf16":  # the kernel computes in q's dtype when the pool is stored in it
+        a["q"] = jnp.asarray(a["q"]).astype(jnp.bfloat16)
+        ref = np.asarray(ragged_paged_attention_reference(**a, sliding_window=window))
+    out = ragged_paged_attention(**a, sliding_window=window, q_tile=4, interpret=True,
+                                 _fill=float("nan"))  # fmt: skip
+    out = np.asarray(jnp.asarray(out).astype(jnp.float32))
+    t = int(np.sum(q_lens))
+    assert not np.isnan(out[:t]).any(), "a token of a row was left unwritten"
+    assert np.isnan(out[t:]).all(), "a token of no row was written"
+    tol = {"f32": 1e-5, "bf16": 2e-2, "fp8": 1e-2}[dtype]  # bf16/fp8: low-precision dots
+    assert rel_err(out[:t], ref[:t]) < tol
+    zero = ragged_paged_attention(**a, sliding_window=window, q_tile=4, interpret=True)
+    assert np.all(np.asarray(zero)[t:] == 0)  # tokens of no row, as the reference says
+
+
+@pytest.mark.parametrize("dtype, gaps, window", [("bf16", True, None), ("fp8", True, 64)])
+def test_pallas_kernel_lowers_for_cuda(rng, lower_for_cuda, dtype, gaps, window):
+    a = make_case(rng, [1, 1, 9, 1], 8, 4, dtype, gaps)
+    a["q"] = jnp.asarray(a["q"]).astype(jnp.bfloat16)
+    a = {name: (jnp.asarray(x) if x is not None else None) for name, x in a.items()}
+    text = lower_for_cuda(functools.partial(ragged_paged_attention, sliding_window=window,
+                                            interpret=False), **a)  # fmt: skip
+    assert "jkv_ragged_paged_attention" in text

@@ -127,12 +127,28 @@ def test_hash_is_stable_across_releases():
 
 
 def test_key_format_and_hash_tag():
-    key = K.response_key("meta-llama/Llama-3.2-1B", 4, "ab" * 32)
-    assert key == "llm:response:{meta-llama/Llama-3.2-1B}:4:" + "ab" * 32
-    assert K.lease_key(key) == "llm:lease:{meta-llama/Llama-3.2-1B}:4:" + "ab" * 32
-    assert K.group_key("m", 4, 9) == "llm:group:{m}:4:9"
-    pattern = K.response_pattern("m")
-    assert K.generation_of(K.response_key("m", 12, "ff"), len(pattern) - 1) == 12
+    key = K.response_key("meta-llama/Llama-3.2-1B", 4, "ab" * 32)  # 0xab % 64 = 0x2b
+    assert key == "llm:response:{meta-llama/Llama-3.2-1B:2b}:4:" + "ab" * 32
+    assert K.lease_key(key) == "llm:lease:{meta-llama/Llama-3.2-1B:2b}:4:" + "ab" * 32
+    assert K.group_key("m", 4, 9, 0x2B) == "llm:group:{m:2b}:4:9"
+    assert K.generation_of(K.response_key("m", 12, "ff" * 32)) == 12
+    assert K.generation_of("llm:response:no-tag") is None
+
+
+def test_a_models_keys_spread_over_every_bucket_and_patterns_match_only_its_own():
+    import fnmatch
+    import hashlib
+
+    digests = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(2000)]
+    keys = [K.response_key("m", 0, d) for d in digests]
+    assert len({k[: k.index("}")] for k in keys}) == K.BUCKETS
+    assert all(fnmatch.fnmatchcase(k, K.response_pattern("m")) for k in keys)
+    other = K.response_key("m2", 0, digests[0])  # a name the first one begins
+    assert not fnmatch.fnmatchcase(other, K.response_pattern("m"))
+    group = K.group_key("m", 3, 17, 5)
+    assert fnmatch.fnmatchcase(group, K.group_pattern("m", 17))
+    assert not fnmatch.fnmatchcase(group, K.group_pattern("m", 7))
+    assert len(K.group_keys("m", 3, 17)) == K.BUCKETS
 
 
 @pytest.mark.parametrize("name", ["a:b", "{a}", "a}", "a*", "a?", "a[1]", "a b", "", "-a", 3])

@@ -58,7 +58,7 @@ def test_model_cleanup_of_100k_keys_never_blocks_redis(node_factory, redis_clien
             pipe.execute()
     pipe.execute()
     redis_client.sadd(
-        K.group_key("big", 0, 3), *[K.response_key("big", 0, f"{i:064x}") for i in range(1000)]
+        K.group_key("big", 0, 3, 0), *[K.response_key("big", 0, f"{i:064x}") for i in range(1000)]
     )
     assert redis_client.dbsize() == n + 1
     a = node_factory("a")

@@ -127,12 +127,33 @@ def test_plain_jkv_lists_serve_and_serve_help_shows_the_defaults(capsys):
         (["--shutdown-timeout", "-1"], "seconds >= 0"),
         (["--kv-dtype", "fp9"], "kv_dtype='fp9' is not supported"),
         (["--max-queued-requests", "0"], "max_queued_requests=0"),
+        (["--redis-url", "redis+cluster://h"], "node 'h' is not host:port"),
+        (["--redis-url", "http://h:1"], "redis_url='http://h:1' must start with"),
+        (["--kv-events-endpoint", "127.0.0.1:5557"], "kv_events_endpoint='127.0.0.1:5557'"),
+        (
+            ["--kv-events-endpoint", "tcp://127.0.0.1:1", "--kv-events-replay-endpoint", "x"],
+            "kv_events_replay_endpoint='x'",
+        ),  # fmt: skip
     ],
 )
 def test_bad_flags_exit_2_naming_them(capsys, flags, words):
     code, text = jkv_cli(capsys, "serve", "demo", *flags)
     assert code == 2 and words in text, text
     assert "Traceback" not in text
+
+
+def test_an_unreachable_redis_cluster_or_a_taken_events_port_exit_naming_them(capsys):
+    port = _free_port()
+    code, text = jkv_cli(
+        capsys, "serve", "demo", "--redis-url", f"redis+cluster://127.0.0.1:{port}"
+    )
+    assert code == 1 and f"127.0.0.1:{port}" in text and "Traceback" not in text
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        endpoint = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+        code, text = jkv_cli(capsys, "serve", "demo", "--kv-events-endpoint", endpoint)
+    assert code == 2 and "cannot be bound" in text and endpoint in text, text
 
 
 def test_fp8_a_policy_by_its_fields_and_api_keys_start_a_server(tmp_path):
