@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 # logical axis -> mesh axis (None: replicated)
@@ -132,3 +133,48 @@ def shard_kv(state, mesh: Mesh):
         next_position=per_row(state.next_position),
         limit=per_row(state.limit),
     )
+
+
+def kv_head_parallel(params, mesh: Mesh):
+    """`params` ready for a paged pool sharded over kv heads on `mesh`'s "model" axis (tp
+    devices): the weights placed on `mesh` by the rules table, and, when tp is larger than
+    the kv heads K, each kv head repeated tp / K times in k_proj and v_proj (tpu-inference's
+    rule: one head per device; the repeated model computes the same attention). Returns
+    (params, tp).
+
+    Raises:
+      ValueError: the mesh has no "model" axis, or tp does not divide the query heads, or
+        neither of tp and K divides the other.
+    """
+    if "model" not in mesh.shape:
+        raise ValueError(f"mesh axes {tuple(mesh.shape)}: the engine shards over a 'model' axis")
+    tp, cfg = mesh.shape["model"], params.config
+    k, n = cfg.num_kv_heads, cfg.num_heads
+    if n % tp or (k % tp and tp % k):
+        raise ValueError(
+            f"a 'model' axis of {tp} devices cannot split num_heads={n} and num_kv_heads={k}: "
+            "tp must divide num_heads, and divide num_kv_heads or be a multiple of it"
+        )
+    if params.mesh != mesh:
+        params = params.replace(weights=shard_params(params.weights, mesh), mesh=mesh)
+    return (params if tp <= k else repeat_kv_heads(params, tp // k)), tp
+
+
+def repeat_kv_heads(params, times: int):
+    """The same model with each kv head repeated `times` times in k_proj and v_proj
+    (interleaved: new head j is old head j // times, so query head n still reads its old
+    head): every token's attention is unchanged; placed on `params.mesh` if any."""
+
+    def repeat(path, leaf):
+        names = tuple(getattr(p, "key", str(p)) for p in path)
+        if len(names) < 2 or names[-2] not in ("k_proj", "v_proj"):
+            return leaf
+        out = jnp.repeat(leaf, times, axis=leaf.ndim - 2)  # kernel [D, K, H], bias [K, H]
+        if params.mesh is None:
+            return out
+        return jax.device_put(out, param_sharding(names, out.shape, params.mesh))
+
+    weights = jax.tree_util.tree_map_with_path(repeat, params.weights)
+    config = params.config.replace(num_kv_heads=params.config.num_kv_heads * times)
+    return type(params)(weights, config, params.tokenizer, params.name, params.mesh,
+                        version=f"{params.version}-kv-x{times}")  # fmt: skip

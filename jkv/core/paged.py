@@ -11,14 +11,22 @@ tail, token t of the tail at slot n_prefix * page_size + t of every head.
 
 The pool travels through the layers as one value (`PoolState`): a layer's writes are in the
 pool the next layer reads, and the whole step updates the donated buffers in place.
+
+Over a mesh (`mesh`: the engine sharded over kv heads), the pool's pages are split in equal
+segments, one per "model" device, a kv head's pages in the segment of the device owning the
+head (`jkv.engine.page_pool`): each layer's writes and attention run in `shard_map` on every
+device's own heads (its share of the query heads, its segment's pages), so no device reads
+another's pages.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jkv import kv as kvlib
 from jkv.core.backends import ops
@@ -43,28 +51,32 @@ class PagedRows:
     num_rows: jax.Array  # [] int32 real rows
 
 
-def token_pages(pool, rows: PagedRows, layer: int, num_kv_heads: int) -> jax.Array:
-    """`[T, K]` int32 pool token (page * page_size + offset) each new token of `layer`'s kv
-    heads goes to; out of range for padding tokens (the write is dropped)."""
+def local_pages(pages, first) -> jax.Array:
+    """This device's page ids of global page ids `pages`: its segment starts at page `first`
+    (unsharded: 0), the null page 0 is every segment's first page."""
+    return jnp.where(pages == 0, 0, pages - first)
+
+
+def token_pages(pool, rows: PagedRows, heads, first=0) -> jax.Array:
+    """`[T, K]` int32 pool token (page * page_size + offset) each new token of kv heads `heads`
+    `[K]` (columns of `block_pages`, pages from `first` on) goes to; out of range for padding
+    tokens (dropped)."""
     page = pool["k"].shape[1]
-    heads = layer * num_kv_heads + jnp.arange(num_kv_heads)
     r = jnp.minimum(rows.tok_row, rows.tables.shape[0] - 1)
     col = jnp.clip(rows.tok_slot // page, 0, rows.tables.shape[1] - 1)
     block = rows.tables[r, col]  # [T]
-    at = (
-        pool["block_pages"][block[:, None], heads[None, :]] * page + (rows.tok_slot % page)[:, None]
-    )
+    pages = local_pages(pool["block_pages"][block[:, None], heads[None, :]], first)
+    at = pages * page + (rows.tok_slot % page)[:, None]
     real = rows.tok_row < rows.tables.shape[0]
     return jnp.where(real[:, None], at, pool["k"].shape[0] * page)
 
 
-def head_layout(pool, rows: PagedRows, layer: int, num_kv_heads: int):
-    """(page table `[R, K, M]`, lengths `[R, K]`, gaps `[R, K, 2]`) of `layer`'s kv heads after
-    the step's writes: a compressed head's slots from its kept count to the end of the prefix
-    hold nothing."""
+def head_layout(pool, rows: PagedRows, heads, first=0):
+    """(page table `[R, K, M]`, lengths `[R, K]`, gaps `[R, K, 2]`) of kv heads `heads` `[K]`
+    after the step's writes: a compressed head's slots from its kept count to the end of the
+    prefix hold nothing."""
     page = pool["k"].shape[1]
-    heads = layer * num_kv_heads + jnp.arange(num_kv_heads)
-    table = pool["block_pages"][rows.tables][:, :, heads]  # [R, M, K]
+    table = local_pages(pool["block_pages"][rows.tables][:, :, heads], first)  # [R, M, K]
     prefix = (rows.n_prefix * page)[:, None]  # [R, 1]
     base = rows.base[:, heads]  # [R, K]
     lengths = jnp.broadcast_to(prefix + rows.held[:, None], base.shape)
@@ -94,28 +106,48 @@ def write_tokens(pool, at, k, v, positions, kv_dtype: str):
     return {n: x.reshape(pool[n].shape) for n, x in out.items()}
 
 
-def make_paged_attention(state: dict, rows: PagedRows, *, config, backend: str, kv_dtype: str):
+def make_paged_attention(
+    state: dict, rows: PagedRows, *, config, backend: str, kv_dtype: str, mesh=None
+):
     """The per-layer callable the model calls on the flattened step: rotate q and k at their
     positions, write k and v into the pool `state["pool"]` (replaced by the updated pool), attend
-    through the rows' page tables. `state` carries the pool from layer to layer."""
+    through the rows' page tables. `state` carries the pool from layer to layer. `mesh`: the
+    pool is sharded over kv heads on its "model" axis; each device runs its own heads."""
     kernels = ops(backend)
-    kh = config.num_kv_heads
     inv_freq = jnp.asarray(config.inv_freq())
 
-    def attention(layer, q, k, v, positions, cache):
+    def local(layer, q, k, v, positions, pool, rows):
+        """Write and attend on the kv heads `k` holds (all, or this device's share)."""
         q = rope(q, positions[:, :, None], inv_freq)[0]  # [T, N, H]
         k = rope(k, positions[:, :, None], inv_freq)[0]  # [T, K, H]
-        pool = state["pool"]
-        at = token_pages(pool, rows, layer, kh)
-        pool = state["pool"] = write_tokens(pool, at, k, v[0], positions[0], kv_dtype)
-        table, lengths, gaps = head_layout(pool, rows, layer, kh)
+        d = 0 if mesh is None else jax.lax.axis_index("model")  # this device's heads, pages
+        heads = layer * config.num_kv_heads + d * k.shape[1] + jnp.arange(k.shape[1])
+        first = d * pool["k"].shape[0]
+        at = token_pages(pool, rows, heads, first)
+        pool = write_tokens(pool, at, k, v[0], positions[0], kv_dtype)
+        table, lengths, gaps = head_layout(pool, rows, heads, first)
         out = kernels.ragged_attention(
             q, pool["k"], pool["v"], table, lengths, rows.q_start, rows.q_len, positions[0],
             pool["positions"], rows.num_decode, rows.num_rows, gaps=gaps,
             k_scale=pool.get("k_scale"), v_scale=pool.get("v_scale"),
             sliding_window=config.sliding_window,
         )  # fmt: skip
-        return out[None], cache
+        return out[None], pool
+
+    def attention(layer, q, k, v, positions, cache):
+        if mesh is None:
+            out, state["pool"] = local(layer, q, k, v, positions, state["pool"], rows)
+            return out, cache
+        heads = P(None, None, "model", None)  # [1, T, N or K, H]
+        pages = {n: P() if n == "block_pages" else P("model") for n in state["pool"]}
+        out, state["pool"] = jax.shard_map(
+            functools.partial(local, layer),
+            mesh=mesh,
+            in_specs=(heads, heads, heads, P(), pages, P()),
+            out_specs=(heads, pages),
+            check_vma=False,
+        )(q, k, v, positions, state["pool"], rows)
+        return out, cache
 
     attention.rotates_qk = True
     return attention

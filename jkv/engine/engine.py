@@ -30,6 +30,12 @@ or the lightest by attention mass outside the recent window (H2O, whose mass per
 lives in the pool: `Engine(attention_mass=True)`). The segment rebuild stays on the one-shot
 path (ValueError here). The kv dtype (float32, bfloat16, or fp8 with a bfloat16 scale per
 token) is one per engine.
+
+Over a mesh (params loaded with `mesh=`, or `Engine(..., mesh=)`), the pool is sharded over kv
+heads on the "model" axis: each device stores one segment of the pages, a kv head's pages come
+from the segment of the device holding its weights (`page_pool`), and each layer writes and
+attends on its own heads in `shard_map` (`jkv.core.paged`); kv heads are repeated when the axis
+is larger than them (`jkv.sharding.kv_head_parallel`). `num_pages` must be a multiple of it.
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ from jkv.params import Params
 from jkv.policies.base import KVPolicy
 from jkv.prompt import prompt_ids
 from jkv.request import Request
+from jkv.sharding import kv_head_parallel
 
 SERVED = "snapkv, pyramidkv, adakv, efficache, quantile, streaming, h2o"
 __all__ = ["Engine", "RequestFailed", "RequestOutput"]
@@ -88,12 +95,17 @@ class Engine(Streams, PolicySteps, Recovery, Warmup):
         admission_headroom: float = 0.05,
         admission: str = "reserve",
         attention_mass: bool = False,
+        mesh=None,
         kv_events=None,
     ):
         if not isinstance(params, Params):
             raise ValueError(
                 f"params is a {type(params).__name__}; expected jkv.Params (from jkv.load)"
             )
+        self.mesh = params.mesh if mesh is None else mesh
+        self.tp = 1
+        if self.mesh is not None:  # the pool sharded over kv heads on the "model" axis
+            params, self.tp = kv_head_parallel(params, self.mesh)
         probe = Request.build(params, kv_dtype=kv_dtype, backend=backend)
         self.kv_dtype = probe.kv_dtype or params.kv_dtype
         self.backend = probe.backend
@@ -117,8 +129,15 @@ class Engine(Streams, PolicySteps, Recovery, Warmup):
             recycle=recycle,
             recycle_below=recycle_below,
             admission_headroom=admission_headroom,
+            shards=self.tp,
+            num_kv_heads=cfg.num_kv_heads,
             events=kv_events,  # told of every prefix-cache change (page_pool.py, "Events")
         )
+        if isinstance(num_pages, int) and num_pages % self.tp:
+            raise ValueError(
+                f"num_pages={num_pages}: the pool is split over {self.tp} devices of the "
+                "'model' axis; expected a multiple of that"
+            )
         self.pool = PagePool(**self._pool_settings)
         self.scheduler = Scheduler(
             self.pool,
@@ -147,7 +166,7 @@ class Engine(Streams, PolicySteps, Recovery, Warmup):
         cfg, s = self.params.config, self._pool_settings
         rows = np.frombuffer(self.pool.rows, np.int32).reshape(-1, self.scheduler.group)
         return empty_pool(cfg, s["num_pages"], s["page_size"], self.kv_dtype, rows,
-                          self.attention_mass)  # fmt: skip
+                          self.attention_mass, self.mesh)  # fmt: skip
 
     @property
     def has_work(self) -> bool:
@@ -166,7 +185,7 @@ class Engine(Streams, PolicySteps, Recovery, Warmup):
             raise ValueError("memory_fraction: this device reports no free memory; pass num_pages")
         per_page = page_bytes(self.params.config, page_size, self.kv_dtype,
                               mass=self.attention_mass)  # fmt: skip
-        pages = int(free * fraction) // per_page
+        pages = int(free * fraction) // per_page * self.tp  # each device holds 1 / tp
         if pages < 2:
             raise ValueError(
                 f"memory_fraction={fraction}: {free * fraction / 2**20:.1f} MiB holds {pages} "
@@ -448,7 +467,7 @@ class Engine(Streams, PolicySteps, Recovery, Warmup):
         sampling, index = self._sampling(scheduled, len(rows.q_len))
         tok, self.device = ragged_step(
             self.params.weights, self.params.config, self.device, rows, tokens, positions,
-            sampling, index, backend=self.backend, dtype=self.kv_dtype,
+            sampling, index, backend=self.backend, dtype=self.kv_dtype, mesh=self.mesh,
         )  # fmt: skip
         tok = np.asarray(tok)
         return {r.seq.request_id: int(tok[i]) for i, r in enumerate(scheduled) if r.samples}

@@ -26,6 +26,12 @@ Recycling: a cached block whose last user lets go keeps its content and waits in
 `recycle_below` of the pool is free of cached pages. `admission_headroom` is the share of the
 pool a new request must leave free to be admitted (vLLM measured ~5% best).
 
+Sharded over kv heads (`shards` > 1, the engine's tensor-parallel degree): the pages are
+`shards` equal segments, segment s the pages `[s * P / shards, (s + 1) * P / shards)` that
+device s of the "model" axis stores, its first page that device's null page. Column j of a
+block (kv head `j % num_kv_heads`) always gets its page from the segment of the device that
+owns its head, so a head's pages live with its weights; loose pages are kept per segment.
+
 Events (optional, `events=`): an object told of every change to the prefix cache, so that a
 router can index this replica (`jkv serve --kv-events-endpoint`, vLLM's KV events):
 `stored(block_hash, parent_hash, token_ids, block_size)` when a block is cached (parent None
@@ -93,6 +99,8 @@ class PagePool:
         recycle_below: float = 0.15,
         admission_headroom: float = 0.0,
         num_blocks: int | None = None,
+        shards: int = 1,
+        num_kv_heads: int = 1,
         events=None,
     ):
         for name, value, low in (("num_pages", num_pages, 2), ("page_size", page_size, 1),
@@ -106,24 +114,43 @@ class PagePool:
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"{name}={value!r}: expected a fraction in [0, 1)")
         g = group_size
-        whole = (num_pages - 1) // g
+        if num_pages % shards or g % shards or num_kv_heads % shards or g % num_kv_heads:
+            raise ValueError(
+                f"num_pages={num_pages}, group_size={g}, num_kv_heads={num_kv_heads}: each must "
+                f"split into shards={shards} equal parts (and group_size into kv heads)"
+            )
+        # column j's segment: the device owning kv head j % K; pages [s * seg, (s + 1) * seg)
+        self.shards, seg, per = shards, num_pages // shards, g // shards
+        self.segment_of_column = [(j % num_kv_heads) * shards // num_kv_heads for j in range(g)]
+        whole = (seg - 1) // per
         num_blocks = 2 * whole + 2 if num_blocks is None else num_blocks
-        if num_blocks < whole + 1:
-            raise ValueError(f"num_blocks={num_blocks}: expected at least {whole + 1}")
+        if whole < 1 or num_blocks < whole + 1:
+            raise ValueError(
+                f"num_pages={num_pages}, num_blocks={num_blocks}: expected at least "
+                f"{shards * (per + 1)} pages and {whole + 1} block ids"
+            )
         self.num_pages, self.page_size, self.group_size = num_pages, page_size, g
+        self.segment_pages = seg
         self.num_blocks = num_blocks
         self.recycle, self.recycle_below = recycle, recycle_below
         self.admission_headroom = admission_headroom
         # block b's pages (page 0: a hole) are rows[b * g : (b + 1) * g]: the host copy of
         # the device's block table
         self.rows = array("i", bytes(4 * num_blocks * g))
-        self.rows[g : (whole + 1) * g] = array("i", range(1, whole * g + 1))
+        rank = [self.segment_of_column[:j].count(self.segment_of_column[j]) for j in range(g)]
+        for b in range(1, whole + 1):  # one shard: pages 1 .. whole * g in row order
+            self.rows[b * g : (b + 1) * g] = array(
+                "i", (s * seg + 1 + (b - 1) * per + r
+                      for s, r in zip(self.segment_of_column, rank, strict=True)),
+            )  # fmt: skip
         self.refs = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
         # Free whole blocks (uncached, nobody holds them), most recently freed last; loose
         # pages; block ids with no pages; cached blocks nobody holds, in LRU order.
         self._free_blocks: list[int] = list(range(whole, 0, -1))
-        self._loose: list[int] = list(range(num_pages - 1, whole * g, -1))
+        self._loose: list[list[int]] = [  # per segment, lowest page last (popped first)
+            list(range((s + 1) * seg - 1, s * seg + whole * per, -1)) for s in range(shards)
+        ]
         self._free_ids: list[int] = list(range(num_blocks - 1, whole, -1))
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._cached: dict[bytes, int] = {}  # block hash -> block
@@ -135,13 +162,18 @@ class PagePool:
 
     @property
     def usable(self) -> int:
-        """Pages that can ever be handed out (all but the null page)."""
-        return self.num_pages - 1
+        """Pages that can ever be handed out (all but the null page of each segment)."""
+        return self.num_pages - self.shards
 
     @property
     def free_pages(self) -> int:
         """Pages an allocation can take now: free, or cached and unused (evictable)."""
-        return self.group_size * (len(self._free_blocks) + len(self._lru)) + len(self._loose)
+        loose = sum(len(x) for x in self._loose)
+        return self.group_size * (len(self._free_blocks) + len(self._lru)) + loose
+
+    def segment(self, page: int) -> int:
+        """The segment (model-axis device) that stores `page`."""
+        return page // self.segment_pages
 
     @property
     def cached_idle_pages(self) -> int:
@@ -185,8 +217,8 @@ class PagePool:
         nothing) when that cannot make `n`."""
         if n <= 0:
             return []
-        g = self.group_size
-        formable = min(len(self._loose) // g, len(self._free_ids))
+        g, per = self.group_size, self.group_size // self.shards
+        formable = min(min(len(x) for x in self._loose) // per, len(self._free_ids))
         if n > len(self._free_blocks) + formable + len(self._lru):
             raise OutOfPages(
                 f"{n} blocks of {g} pages asked, {self.free_pages} pages free or evictable"
@@ -195,9 +227,9 @@ class PagePool:
         for _ in range(n):
             if self._free_blocks:
                 block = self._free_blocks.pop()
-            elif len(self._loose) >= g and self._free_ids:
+            elif min(len(x) for x in self._loose) >= per and self._free_ids:
                 block = self._free_ids.pop()
-                self._set_row(block, [self._loose.pop() for _ in range(g)])
+                self._set_row(block, [self._loose[s].pop() for s in self.segment_of_column])
             else:
                 block, _ = self._lru.popitem(last=False)
                 self._forget(block)
@@ -228,11 +260,21 @@ class PagePool:
         self._dirty.add(block)
 
     def allocate_pages(self, n: int) -> list[int]:
-        """`n` loose pages (a compressed head's own), breaking free blocks up, and evicting
-        cached ones, when the loose ones run out. Raises OutOfPages (taking nothing)."""
-        if n > self.free_pages:
-            raise OutOfPages(f"{n} pages asked, {self.free_pages} free or evictable")
-        while len(self._loose) < n:
+        """`n` loose pages of one segment's columns (an unsharded pool's: any column's)."""
+        return self.allocate_columns([0] * n)
+
+    def allocate_columns(self, columns: Sequence[int]) -> list[int]:
+        """A loose page for each of `columns` (a compressed head's own), from its column's
+        segment, breaking free blocks up, and evicting cached ones, when the loose ones run
+        out. Raises OutOfPages (taking nothing)."""
+        want = [0] * self.shards
+        for j in columns:
+            want[self.segment_of_column[j]] += 1
+        per = self.group_size // self.shards
+        breaks = max(-(-(w - len(x)) // per) for w, x in zip(want, self._loose, strict=True))
+        if breaks > len(self._free_blocks) + len(self._lru):
+            raise OutOfPages(f"{len(columns)} pages asked, {self.free_pages} free or evictable")
+        for _ in range(breaks):
             if self._free_blocks:
                 block = self._free_blocks.pop()
             else:
@@ -240,16 +282,18 @@ class PagePool:
                 self._forget(block)
                 self.stats.recycled_lazy += self.group_size
             self._break(block)
-        return [self._loose.pop() for _ in range(n)]
+        return [self._loose[self.segment_of_column[j]].pop() for j in columns]
 
     def _break(self, block: int) -> None:
         """An unheld, uncached block's pages become loose and its id free."""
-        self._loose.extend(p for p in reversed(self.row(block)) if p != NULL_PAGE)
+        self.release_pages(reversed(self.row(block)))
         self._free_ids.append(block)
 
     def release_pages(self, pages: Sequence[int]) -> None:
         """Loose pages back to the pool (a compression's dropped pages)."""
-        self._loose.extend(p for p in pages if p != NULL_PAGE)
+        for p in pages:
+            if p != NULL_PAGE:
+                self._loose[p // self.segment_pages].append(p)
 
     def release(self, blocks: Sequence[int]) -> None:
         """Lets go of one reference to each block; a block nobody holds becomes free (cached:
@@ -356,9 +400,17 @@ class PagePool:
             assert (b in lru) <= (self.block_hash[b] is not None), f"block {b}: idle, uncached"
             for p in self.row(b) if b not in ids else ():
                 seen[p] += 1
-        for p in self._loose:
-            seen[p] += 1
-        wrong = [p for p in range(1, self.num_pages) if seen[p] != 1]
+        for s, loose in enumerate(self._loose):
+            for p in loose:
+                assert p // self.segment_pages == s, f"page {p} loose in segment {s}"
+                seen[p] += 1
+        for b in range(1, self.num_blocks):
+            for j, p in enumerate(self.row(b) if b not in ids else ()):
+                assert p == NULL_PAGE or self.segment(p) == self.segment_of_column[j], (
+                    f"block {b}: page {p} of column {j} is not on its head's device"
+                )
+        null = set(range(0, self.num_pages, self.segment_pages))
+        wrong = [p for p in range(1, self.num_pages) if seen[p] != (p not in null)]
         assert not wrong, f"pages owned twice or lost: {wrong[:10]}"
         for h, b in self._cached.items():
             assert self.block_hash[b] == h, "a cached block lost its hash"

@@ -30,7 +30,7 @@ from jkv_models.config import ModelConfig
 
 
 @functools.partial(
-    jax.jit, static_argnames=("config", "backend", "dtype"), donate_argnames=("pool",)
+    jax.jit, static_argnames=("config", "backend", "dtype", "mesh"), donate_argnames=("pool",)
 )
 def ragged_step(
     weights,
@@ -44,13 +44,17 @@ def ragged_step(
     *,
     backend: str,
     dtype: str,
+    mesh=None,
 ):
-    """One step over the flattened tokens `[T]` (text positions `[T]`) of `rows`. Returns
-    (`[R]` int32 each row's token sampled at its last one, the updated pool)."""
+    """One step over the flattened tokens `[T]` (text positions `[T]`) of `rows`; `mesh`: the
+    pool is sharded over kv heads on its "model" axis (`jkv.core.paged`). Returns (`[R]` int32
+    each row's token sampled at its last one, the updated pool)."""
     scales = ("k_scale", "v_scale") if pool.k_scale is not None else ()
     names = ("k", "v", "positions", "block_pages", *scales)
     state = {"pool": {n: getattr(pool, n) for n in names}}
-    attend = make_paged_attention(state, rows, config=config, backend=backend, kv_dtype=dtype)
+    attend = make_paged_attention(
+        state, rows, config=config, backend=backend, kv_dtype=dtype, mesh=mesh
+    )
     last = rows.q_start + jnp.maximum(rows.q_len - 1, 0)  # [R]
     logits = flat_step(weights, config, tokens, positions, attend, last)  # [R, V]
     tok = sample(logits, sampling, sample_index)

@@ -28,6 +28,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jkv import kv as kvlib
 from jkv.core.sampling import SamplingArrays, sample
@@ -67,20 +68,32 @@ class PagedKV:
 
 
 def empty_pool(
-    config: ModelConfig, num_pages: int, page_size: int, dtype: str, block_pages, mass=False
-) -> PagedKV:
+    config: ModelConfig, num_pages: int, page_size: int, dtype: str, block_pages, mass=False,
+    mesh=None,
+) -> PagedKV:  # fmt: skip
     """A pool of zeros; `block_pages` the host's rows; `mass`: with a float32 of accumulated
-    attention per stored token."""
+    attention per stored token; `mesh`: its pages split in equal segments over the "model"
+    axis (each device makes its own, `jkv.engine.page_pool`), the block rows replicated."""
     shape = (num_pages, page_size, config.head_dim)
     fp8 = dtype == "float8_e4m3fn"
+
+    def fill(shape, dtype, value=0):
+        if mesh is None:
+            return jnp.full(shape, value, dtype)
+        pages = NamedSharding(mesh, PartitionSpec("model"))
+        return jax.jit(lambda: jnp.full(shape, value, dtype), out_shardings=pages)()
+
+    rows = jnp.asarray(block_pages, jnp.int32)
+    if mesh is not None:
+        rows = jax.device_put(rows, NamedSharding(mesh, PartitionSpec()))
     return PagedKV(
-        k=jnp.zeros(shape, dtype),
-        v=jnp.zeros(shape, dtype),
-        positions=jnp.zeros(shape[:2], jnp.int32),
-        block_pages=jnp.asarray(block_pages, jnp.int32),
-        k_scale=jnp.ones(shape[:2], kvlib.SCALE_DTYPE) if fp8 else None,
-        v_scale=jnp.ones(shape[:2], kvlib.SCALE_DTYPE) if fp8 else None,
-        mass=jnp.zeros(shape[:2], jnp.float32) if mass else None,
+        k=fill(shape, dtype),
+        v=fill(shape, dtype),
+        positions=fill(shape[:2], jnp.int32),
+        block_pages=rows,
+        k_scale=fill(shape[:2], kvlib.SCALE_DTYPE, 1) if fp8 else None,
+        v_scale=fill(shape[:2], kvlib.SCALE_DTYPE, 1) if fp8 else None,
+        mass=fill(shape[:2], jnp.float32) if mass else None,
     )
 
 

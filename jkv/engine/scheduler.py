@@ -354,7 +354,7 @@ class Scheduler:
             for j in range(n_prefix)
         ]
         copies = [j for j in range(n_prefix) if not reuse[j]]
-        pages = pool.allocate_pages(sum(sum(cols[j]) for j in copies))
+        pages = pool.allocate_columns([h for j in copies for h, c in enumerate(cols[j]) if c])
         if len(copies) > pool.free_block_ids:  # (breaking free blocks up freed ids too)
             pool.release_pages(pages)
             raise OutOfPages(f"{len(copies)} block ids asked, {pool.free_block_ids} free")

@@ -86,6 +86,6 @@ class Warmup:
                 sampling = SamplingArrays.build([probe.sampling] * b, [probe.seed] * b)
                 tok, self.device = ragged_step(
                     self.params.weights, cfg, self.device, idle, z(t), z(t), sampling, z(b),
-                    backend=self.backend, dtype=self.kv_dtype,
+                    backend=self.backend, dtype=self.kv_dtype, mesh=self.mesh,
                 )  # fmt: skip
                 tok.block_until_ready()

@@ -200,3 +200,39 @@ def test_random_use_keeps_the_books(recycle):
     pool.release(held)
     pool.check()
     assert pool.used_pages == 0
+
+
+def test_a_sharded_pool_gives_each_heads_pages_from_its_devices_segment():
+    """Two segments of 20 pages (2 layers x 2 kv heads: columns 0 and 2 are head 0's, on
+    device 0): whole blocks, blocks formed from loose pages and a compression's loose pages
+    all come from the segment of the column's head; each segment's first page is its null
+    page; a segment that runs out refuses even while the other has pages."""
+    pool = PagePool(40, 2, 4, shards=2, num_kv_heads=2)
+    assert pool.usable == 38 and pool.free_pages == 38
+    assert pool.segment_of_column == [0, 1, 0, 1]
+
+    def on_their_devices(pages, columns):
+        return all(
+            p // 20 == pool.segment_of_column[j] for p, j in zip(pages, columns, strict=True)
+        )
+
+    blocks = pool.allocate_blocks(9)  # 9 whole blocks: 18 pages of each segment
+    assert all(on_their_devices(pool.row(b), range(4)) for b in blocks)
+    assert 0 not in {p for b in blocks for p in pool.row(b)}
+    assert 20 not in {p for b in blocks for p in pool.row(b)}
+    loose = pool.allocate_columns([3])  # the last loose page of segment 1
+    assert loose == [39]
+    with pytest.raises(OutOfPages):
+        pool.allocate_columns([3])  # segment 1 is empty, segment 0 still has 1 page
+    assert pool.free_pages == 1
+    pool.release_pages(loose)
+    pool.release(blocks[:2])
+    cols = [0, 0, 2, 2, 2, 1]  # breaks a free block up, then takes from the loose pages
+    pages = pool.allocate_columns(cols)
+    assert on_their_devices(pages, cols)
+    pool.release_pages(pages[1:5])
+    block = pool.new_block([pages[0], pages[5], 0, 0])  # a compressed block with holes
+    assert on_their_devices(pool.row(block)[:2], range(2))
+    pool.check()
+    with pytest.raises(ValueError, match="shards=2"):
+        PagePool(41, 2, 4, shards=2, num_kv_heads=2)
