@@ -14,6 +14,8 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 # logical axis -> mesh axis (None: replicated)
@@ -68,6 +70,18 @@ LOWRANK_AXES = {
     "rank_v": ("batch", "kv_heads", None),
     "positions": ("batch", "kv_heads", None, None),
 }
+
+
+def to_host(x) -> np.ndarray:
+    """A device array's value on this host, also when it spans other processes' devices
+    (multi-host): a replicated one from this process's copy, a sharded one gathered from every
+    process (a collective: every process reads it at the same point, as the engine's lockstep
+    processes do)."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return np.asarray(x)
+    if x.is_fully_replicated:
+        return np.asarray(x.addressable_data(0))
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def param_axes(path: tuple[str, ...]) -> tuple[str, ...]:

@@ -70,7 +70,7 @@ from jkv.params import Params
 from jkv.policies.base import KVPolicy
 from jkv.prompt import prompt_ids
 from jkv.request import Request
-from jkv.sharding import kv_head_parallel
+from jkv.sharding import kv_head_parallel, to_host
 
 SERVED = "snapkv, pyramidkv, adakv, efficache, quantile, streaming, h2o"
 __all__ = ["Engine", "RequestFailed", "RequestOutput"]
@@ -160,6 +160,9 @@ class Engine(Streams, PolicySteps, Recovery, Warmup):
         self._steps = 0
         self.healthy, self.health_error = True, None
         self.failures = 0  # steps that raised
+        # Several processes' engines over one mesh (`jkv.serve.group`): told of each message
+        # a step takes in, of each step (`tick`, before it) and of each plan. None: alone.
+        self.lockstep = None
         Streams.__init__(self)
 
     def _empty_device(self):
@@ -242,7 +245,12 @@ class Engine(Streams, PolicySteps, Recovery, Warmup):
                 raise ValueError(f"request_id={rid!r} is already in the engine")
             self._known.add(rid)
         tok = self.params.tokenizer
-        self._post(("add", seq, Row(req, RowOutput(tok, req.stop) if tok is not None else None)))
+        row = Row(req, RowOutput(tok, req.stop) if tok is not None else None)
+        call = None  # how another process's engine adds the same request (`lockstep`)
+        if self.lockstep is not None:
+            call = dict(prompt=ids, request_id=rid, cache_salt=cache_salt, reserve=reserve,
+                        **settings)  # fmt: skip
+        self._post(("add", seq, row, call))
         return rid
 
     def _check_length(self, ids, req) -> None:
@@ -344,8 +352,10 @@ class Engine(Streams, PolicySteps, Recovery, Warmup):
         outs = []
         while self._inbox:
             kind, *body = self._inbox.popleft()
+            if self.lockstep is not None:  # the same message for the group's other engines
+                self.lockstep.taken(kind, body[2] if kind == "add" else body[0])
             if kind == "add":
-                seq, row = body
+                seq, row, _ = body
                 try:
                     self.scheduler.add(seq)
                 except ValueError as err:  # checked when added: only a pool rebuilt since
@@ -371,11 +381,15 @@ class Engine(Streams, PolicySteps, Recovery, Warmup):
         self._lock.acquire()
         try:
             self._deliver(self._drain())
+            if self.lockstep is not None:  # the group's other engines take the same step
+                self.lockstep.tick()
             if not self.scheduler.has_work:
                 return []
             plan = None
             try:
                 plan = self.scheduler.schedule()
+                if self.lockstep is not None:
+                    self.lockstep.planned(plan)
                 return self._run_step(plan)
             except Exception as err:  # noqa: BLE001 - one failure fails one step
                 return self._recover(plan, err)
@@ -469,7 +483,7 @@ class Engine(Streams, PolicySteps, Recovery, Warmup):
             self.params.weights, self.params.config, self.device, rows, tokens, positions,
             sampling, index, backend=self.backend, dtype=self.kv_dtype, mesh=self.mesh,
         )  # fmt: skip
-        tok = np.asarray(tok)
+        tok = to_host(tok)
         return {r.seq.request_id: int(tok[i]) for i, r in enumerate(scheduled) if r.samples}
 
     # ------------------------------------------------------------------ the rest

@@ -11,6 +11,7 @@ import numpy as np
 from jkv import kv as kvlib
 from jkv.engine.runner import compact, pack, paged_step, write_mass, write_pages
 from jkv.policies.efficache import head_sensitivity
+from jkv.sharding import to_host
 
 sensitivity_pass = jax.jit(head_sensitivity, static_argnames=("config",))
 
@@ -55,10 +56,10 @@ class PolicySteps:
             self.device = write_mass(self.device, *mass)
         if selection is not None and ending:
             src, counts = selection
-            counts = np.asarray(counts)
+            counts = to_host(counts)
             for i in ending:
                 kept[scheduled[i].seq.request_id] = (src, i, counts[i].reshape(-1).tolist())
-        tok = np.asarray(tok)
+        tok = to_host(tok)
         return {r.seq.request_id: int(tok[i]) for i, r in enumerate(scheduled) if r.samples}
 
     def _sensitivity(self, rows, ending, b: int) -> np.ndarray:
@@ -72,7 +73,7 @@ class PolicySteps:
             tokens = np.zeros((1, kvlib.bucket(len(prompt))), np.int32)
             tokens[0, : len(prompt)] = prompt
             n = np.array([len(prompt)], np.int32)
-            out[i] = np.asarray(sensitivity_pass(self.params.weights, cfg, tokens, n))[0]
+            out[i] = to_host(sensitivity_pass(self.params.weights, cfg, tokens, n))[0]
         return out
 
     def _compress(self, seq, src, row, counts) -> None:
