@@ -120,12 +120,15 @@ class Answer:
             self._close("client_disconnected")
             return Response(status_code=499)
         except Stopping:
-            self._close("server_shutdown")
-            raise stopped() from None
+            self._close(self.server.stop_error.code)
+            raise self.server.stop_error from None
         except ValueError as e:  # what the engine refuses (a policy it does not serve, ...)
             self._close("400")
             raise oa.bad(oa.param_of(str(e), self.req.settings), str(e)) from None
         except Exception as e:  # a failed engine step: 500, nothing cached
+            if self.server.stopping.is_set():  # failed as the server stops (its group lost)
+                self._close(self.server.stop_error.code)
+                raise self.server.stop_error from None
             self._close("500")
             LOG.exception("the engine failed serving %s", self.rid)
             raise oa.engine_error(e) from None
@@ -155,11 +158,16 @@ class Answer:
             except StopAsyncIteration:
                 pass
             except Stopping:
-                ending = "server_shutdown"
-                yield oa.sse(stopped().body())
+                ending = self.server.stop_error.code
+                yield oa.sse(self.server.stop_error.body())
                 yield oa.sse("[DONE]")
                 return
             except Exception as e:  # a failed engine step: an error event, then [DONE]
+                if self.server.stopping.is_set():  # failed as the server stops
+                    ending = self.server.stop_error.code
+                    yield oa.sse(self.server.stop_error.body())
+                    yield oa.sse("[DONE]")
+                    return
                 LOG.exception("the engine failed serving %s", rid)
                 ending = "500"
                 yield oa.sse(oa.engine_error(e).body())

@@ -21,7 +21,8 @@ from jkv.compile_time import use_compile_cache
 from jkv.request import resolve_policy
 from jkv.response_cache import CacheUnavailableError
 from jkv.response_cache.config import check_redis_url
-from jkv.serve import auth, replicas
+from jkv.serve import auth, group, replicas
+from jkv.serve import openai as oa
 from jkv.serve.body import MAX_BODY_BYTES
 from jkv.serve.kv_events import KVEventPublisher, check_endpoint
 from jkv.serve.metrics import JsonFormatter
@@ -102,6 +103,19 @@ def add_subcommand(sub) -> None:
                    help="on SIGTERM, seconds in-flight requests may take to finish")  # fmt: skip
     s.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="JSON logs on stderr")
     replicas.add_flags(s)
+    s.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+                   help="shard the model and the KV pool over N devices (the 'model' axis; "
+                   "default: every device of the group with --coordinator, else 1)")  # fmt: skip
+    s.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="one engine over several processes (hosts): jax.distributed's "
+                   "coordinator, process 0's address; the step channel uses PORT + 1")  # fmt: skip
+    s.add_argument("--num-processes", type=int, default=None,
+                   help="processes in the group (with --coordinator)")  # fmt: skip
+    s.add_argument("--process-id", type=int, default=None,
+                   help="this process's index; 0 serves HTTP (with --coordinator)")  # fmt: skip
+    s.add_argument("--group-timeout", type=_seconds, default=30.0,
+                   help="seconds a silent process of the group counts as lost (one killed: "
+                   "at once); also the time the group has to start")  # fmt: skip
     s.set_defaults(serve_parser=s)  # --replicas rebuilds each replica's argv from it
 
 
@@ -192,7 +206,7 @@ def _run(args: argparse.Namespace) -> int:
         for name, value in (("kv_policy", args.kv_policy), ("kv_budget", args.kv_budget))
         if value is not None
     }
-    policy = resolve_policy(args.kv_policy, args.kv_budget)  # before the model loads
+    resolve_policy(args.kv_policy, args.kv_budget)  # checked before the model loads
     if args.redis_url is not None:
         check_redis_url(args.redis_url)
     for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
@@ -209,7 +223,12 @@ def _run(args: argparse.Namespace) -> int:
     else:
         log.info("%d API keys, %d tenants", len(keys), len(keys.tenants))
     if args.replicas != 1:  # every replica checks the same flags again, and loads the model
+        if args.coordinator is not None:
+            raise ValueError("--replicas and --coordinator: one or the other")
         return replicas.launch(args.serve_parser, args)
+    link = _group(args)  # before anything starts JAX
+    if isinstance(link, group.Follower):
+        return _follow(args, link, log)
     try:  # before the model loads: a cluster none of whose nodes answers fails at once
         cache = None if args.no_response_cache else jkv.ResponseCache(args.redis_url)
     except CacheUnavailableError as e:
@@ -218,7 +237,7 @@ def _run(args: argparse.Namespace) -> int:
     events = None
     try:
         events = _kv_events(args)
-        return _run_with(args, defaults, policy, keys, cache, events, log)
+        return _run_with(args, defaults, keys, cache, events, log, link)
     finally:
         if events is not None:
             events.close()
@@ -243,9 +262,42 @@ def _kv_events(args: argparse.Namespace):
     return events
 
 
-def _run_with(args, defaults, policy, keys, cache, events, log) -> int:
+def _group(args: argparse.Namespace):
+    """With --coordinator: this process joins the group (jax.distributed) and its step
+    channel; the Leader (process 0) or a Follower. Else None."""
+    given = [f for f in ("num_processes", "process_id") if getattr(args, f) is not None]
+    if args.coordinator is None:
+        if given:
+            raise ValueError(f"--{given[0].replace('_', '-')} needs --coordinator HOST:PORT")
+        return None
+    host, port = group.check(args.coordinator, args.num_processes, args.process_id)
+    group.initialize(args.coordinator, args.num_processes, args.process_id, args.group_timeout)
+    if args.process_id == 0:
+        return group.Leader(host, port + 1, args.num_processes, args.group_timeout)
+    return group.Follower(host, port + 1, args.process_id, args.group_timeout)
+
+
+def _mesh(args: argparse.Namespace):
+    """The devices the model and the pool are sharded over ('model' axis), or None."""
+    devices = jax.devices()
+    tp = args.tensor_parallel
+    if tp is None:
+        tp = len(devices) if args.coordinator is not None else 1
+    if isinstance(tp, bool) or not 1 <= tp <= len(devices):
+        raise ValueError(f"--tensor-parallel {tp}: expected 1 to the {len(devices)} devices")
+    if tp == 1:
+        return None
+    import numpy as np
+    from jax.sharding import Mesh
+
+    return Mesh(np.array(devices[:tp]).reshape(1, tp), ("data", "model"))
+
+
+def _engine(args: argparse.Namespace, events=None):
+    """The model and its engine, as every process of a group builds them (the same ones)."""
     use_compile_cache()
-    params = jkv.load(args.model)
+    mesh = _mesh(args)
+    params = jkv.load(args.model, mesh=mesh)
     if args.served_model_name:
         params = params.replace(name=args.served_model_name)
     engine = jkv.Engine(
@@ -263,6 +315,24 @@ def _run_with(args, defaults, policy, keys, cache, events, log) -> int:
         admission=args.admission,
         kv_events=events,
     )
+    if args.warmup:
+        policy = resolve_policy(args.kv_policy, args.kv_budget)
+        seconds = engine.warmup(kv_policies=[policy] if policy is not None else ())
+        logging.getLogger("jkv.serve").info("warmed up in %.1f s", seconds)
+    return params, engine
+
+
+def _follow(args: argparse.Namespace, link, log) -> int:
+    """A follower: the same engine as the leader's, stepped as the leader says; no HTTP."""
+    _, engine = _engine(args)
+    log.info("process %d of %d follows %s", args.process_id, args.num_processes, args.coordinator)
+    link.serve(engine)
+    jax.distributed.shutdown()
+    return 0
+
+
+def _run_with(args, defaults, keys, cache, events, log, link=None) -> int:
+    params, engine = _engine(args, events)
     template, special = chat_template_of(DEMO_DIR if args.model == "demo" else args.model)
     server = Server(
         params,
@@ -279,11 +349,28 @@ def _run_with(args, defaults, policy, keys, cache, events, log) -> int:
         api_keys=keys,
         protect_health_metrics=args.protect_health_metrics,
     )
-    if args.warmup:
-        seconds = engine.warmup(kv_policies=[policy] if policy is not None else ())
-        log.info("warmed up in %.1f s", seconds)
-    _serve(server, args)
+    if link is not None:  # the leader: its engine's steps are the group's
+        engine.lockstep = link
+        link.on_lost = lambda reason: _lost(server, engine, reason)
+    try:
+        _serve(server, args)
+    finally:
+        if link is not None:
+            link.stop()
+    if link is not None:
+        jax.distributed.shutdown()
     return 0
+
+
+def _lost(server: Server, engine, reason: str) -> None:
+    """The group lost a process (from a watching thread): unhealthy, and every request in
+    flight or arriving ends with 503 `group_lost` until the leader exits."""
+    engine.healthy, engine.health_error = False, reason
+    error = oa.APIError(503, f"{reason}; the serving group must be restarted", type="server_error",
+                        code="group_lost", headers={"Retry-After": "5"})  # fmt: skip
+    loop = server.loop
+    if loop is not None and not loop.is_closed():
+        loop.call_soon_threadsafe(server.stop_requests, error)
 
 
 DRAIN_S = 5.0  # after --shutdown-timeout: for requests ended with 503 to say so and close

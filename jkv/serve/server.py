@@ -122,6 +122,8 @@ class Server:
         self.defaults = _checked_defaults(params, defaults or {})
         self.obs = Observability(engine, self.name, span_exporter=span_exporter)
         self.stopping = asyncio.Event()  # set: requests still running end with a 503
+        self.stop_error = stopped()  # ... this one
+        self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop, once it runs
         self.queued_requests = 0
         self.queued_tokens = 0
         self.in_flight = 0
@@ -141,7 +143,7 @@ class Server:
         async def lifespan(app):
             # Engine steps, cache lookups and request adds run in worker threads: enough of
             # them that hundreds of waiting requests never starve the engine's step.
-            loop = asyncio.get_running_loop()
+            loop = self.loop = asyncio.get_running_loop()
             pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="jkv-serve")
             loop.set_default_executor(pool)
             yield
@@ -175,9 +177,10 @@ class Server:
             if self.protect_health_metrics:
                 self._tenant(request)
             if not getattr(self.engine, "healthy", True):
+                why = getattr(self.engine, "health_error", None) or "a step failed"
                 raise oa.APIError(
                     503,
-                    "the engine is not healthy (a step failed and it has not recovered)",
+                    f"the engine is not healthy ({why}) and it has not recovered",
                     type="server_error",
                     code="engine_unhealthy",
                 )
@@ -232,7 +235,7 @@ class Server:
         arrival = time.monotonic()
         tenant = self._tenant(request)  # before the body is read
         if self.stopping.is_set():
-            raise stopped()
+            raise self.stop_error
         try:
             raw = await body.read(request, self.max_body_bytes)  # moves bytes only
             # JSON, templating and tokenisation in a worker: the loop never waits on them
@@ -380,10 +383,12 @@ class Server:
         self.queued_requests += 1
         self.queued_tokens += tokens
 
-    def stop_requests(self) -> int:
-        """Ends every request still running with a `server_shutdown` error (streamed: an
-        error event, then [DONE]) and refuses new ones with 503: what a stopping server does
-        once its grace period is over. Returns how many were running. Call it on the loop."""
+    def stop_requests(self, reason: oa.APIError | None = None) -> int:
+        """Ends every request still running with a `server_shutdown` error, or `reason`
+        (streamed: an error event, then [DONE]) and refuses new ones with it: what a stopping
+        server does once its grace period is over (or when its serving group lost a process).
+        Returns how many were running. Call it on the loop."""
+        self.stop_error = stopped() if reason is None else reason
         self.stopping.set()
         if self.in_flight:
             LOG.warning("stopping: %d requests still running end with 503", self.in_flight)

@@ -1,0 +1,165 @@
+"""The serving group's step channel (`jkv.serve.group`) between two real engines on one device
+each, no jax.distributed: the leader's engine here, a follower's in a subprocess. The follower,
+told only the leader's messages, takes the same steps and samples the same tokens (the
+lockstep's premise: the engine's host side is deterministic given its messages); a follower
+told a plan digest that is not its own exits with status 4; one whose leader closes the
+channel, or falls silent past the timeout, exits with status 3; a leader counts a follower
+that is killed (at once) or stopped (past the timeout) as lost. Seconds each."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from replicas_harness import free_run
+
+from jkv.engine.engine import Engine
+from jkv.serve import group
+
+SETTINGS = dict(num_pages=256, max_running=4, token_budget=32, chunk=16)
+FOLLOWER = textwrap.dedent(
+    f"""
+    import json, sys
+    import jkv
+    from jkv.engine.engine import Engine
+    from jkv.serve import group
+
+    link = group.Follower("127.0.0.1", int(sys.argv[1]), 1, float(sys.argv[2]))
+    engine = Engine(jkv.load("demo"), **{SETTINGS!r})
+    got, step = {{}}, engine.step
+
+    def observed():
+        outs = step()
+        for out in outs:
+            got.setdefault(out.request_id, []).extend(out.new_tokens)
+        return outs
+
+    engine.step = observed
+    link.serve(engine)
+    print("TOKENS", json.dumps(got), flush=True)
+    """
+)
+
+
+@contextlib.contextmanager
+def _follower(port: int, timeout: float = 5.0):
+    """A follower process on `port`, killed (and resumed first if stopped) at the end."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", FOLLOWER, str(port), str(timeout)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+        proc.wait(10)
+
+
+@pytest.fixture
+def lost():
+    """The leader's exits, recorded instead of taken (the test process goes on)."""
+    return []
+
+
+def _leader(port: int, lost: list, timeout: float = 5.0) -> group.Leader:
+    return group.Leader("127.0.0.1", port, 2, timeout, start_timeout=120, exit=lost.append)
+
+
+def _wait(cond, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_a_follower_takes_the_leaders_steps(demo_params, lost):
+    port = free_run(1)
+    with _follower(port) as proc:
+        leader = _leader(port, lost)
+        engine = Engine(demo_params, **SETTINGS)
+        engine.lockstep = leader
+        prompts = ["the old farmer saw the red horse", "the dog ran to the big house and the cat",
+                   "a brave knight rode to the castle and the king"]  # fmt: skip
+        rids = [  # (policies across processes: tests/serve/test_group.py)
+            engine.add_request(prompts[0], max_new_tokens=6),
+            engine.add_request(prompts[1], max_new_tokens=5, stop=["zebra"]),
+            engine.add_request(prompts[2], max_new_tokens=7, temperature=0.9, seed=3),
+        ]  # fmt: skip
+        gone = engine.add_request(prompts[0] + " and", max_new_tokens=30)
+        got = {rid: [] for rid in rids}
+        for n in range(200):
+            if n == 3:
+                engine.abort(gone)  # an abort reaches the follower too
+            for out in engine.step():
+                got.setdefault(out.request_id, []).extend(out.new_tokens)
+            if not engine.has_work:
+                break
+        leader.stop()
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, out
+        theirs = json.loads(out.split("TOKENS ", 1)[1])
+        assert theirs == got, (theirs, got)
+        assert len(got[gone]) < 30 and all(len(got[r]) >= 5 for r in rids), got
+        assert not lost
+
+
+def test_a_follower_whose_plan_differs_exits(lost):
+    port = free_run(1)
+    with _follower(port) as proc:
+        leader = _leader(port, lost)
+        leader.planned(type("Plan", (), {"scheduled": []})())  # a plan the follower never made
+        leader.tick()
+        assert proc.wait(120) == group.DIVERGED_EXIT, proc.stdout.read()
+        assert "plan differs from the leader's" in proc.stdout.read()
+        assert _wait(lambda: leader.lost_reason is not None, 10)  # then it is lost to the leader
+
+
+@pytest.mark.parametrize("how", ["closed", "silent"])
+def test_a_follower_that_loses_its_leader_exits(lost, how):
+    port = free_run(1)
+    with _follower(port, timeout=3.0) as proc:
+        leader = _leader(port, lost, timeout=3.0)
+        time.sleep(1.5)  # heartbeats flowing
+        assert proc.poll() is None
+        start = time.monotonic()
+        if how == "closed":
+            for _, ch in leader.channels:
+                ch.close()
+        else:  # the leader's heartbeats stop; its channel stays open
+            leader._stopped.set()
+        assert proc.wait(60) == group.LOST_EXIT, proc.stdout.read()
+        assert "the leader is lost" in proc.stdout.read()
+        if how == "silent":
+            assert time.monotonic() - start > 2.0  # the timeout, not an error
+
+
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+def test_a_leader_counts_a_killed_or_hung_follower_lost(lost, how):
+    port = free_run(1)
+    told = []
+    with _follower(port, timeout=3.0) as proc:
+        leader = _leader(port, lost, timeout=3.0)
+        leader.on_lost = told.append
+        time.sleep(1.5)
+        assert leader.lost_reason is None
+        start = time.monotonic()
+        proc.send_signal(signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        assert _wait(lambda: told, 15), leader.lost_reason
+        took = time.monotonic() - start
+        assert told == [leader.lost_reason] and "process 1 of the serving group" in told[0]
+        assert ("closed" if how == "killed" else "silent for 3 s") in told[0], told
+        assert took < 1.5 if how == "killed" else 2.5 < took < 8, took
+        with pytest.raises(RuntimeError, match="serving group is lost"):
+            leader.tick()  # a step after that fails at once
+        assert _wait(lambda: lost == [group.LOST_EXIT], group.DRAIN_S + 5)
