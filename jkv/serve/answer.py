@@ -119,14 +119,11 @@ class Answer:
             self.server.obs.aborted.inc()
             self._close("client_disconnected")
             return Response(status_code=499)
-        except Stopping:
-            self._close(self.server.stop_error.code)
-            raise self.server.stop_error from None
         except ValueError as e:  # what the engine refuses (a policy it does not serve, ...)
             self._close("400")
             raise oa.bad(oa.param_of(str(e), self.req.settings), str(e)) from None
         except Exception as e:  # a failed engine step: 500, nothing cached
-            if self.server.stopping.is_set():  # failed as the server stops (its group lost)
+            if isinstance(e, Stopping) or self.server.stopping.is_set():  # (its group lost)
                 self._close(self.server.stop_error.code)
                 raise self.server.stop_error from None
             self._close("500")
@@ -157,13 +154,8 @@ class Answer:
                         yield oa.sse(oa.chunk(req, rid, out.text, out.finish_reason))
             except StopAsyncIteration:
                 pass
-            except Stopping:
-                ending = self.server.stop_error.code
-                yield oa.sse(self.server.stop_error.body())
-                yield oa.sse("[DONE]")
-                return
             except Exception as e:  # a failed engine step: an error event, then [DONE]
-                if self.server.stopping.is_set():  # failed as the server stops
+                if isinstance(e, Stopping) or self.server.stopping.is_set():  # (group lost)
                     ending = self.server.stop_error.code
                     yield oa.sse(self.server.stop_error.body())
                     yield oa.sse("[DONE]")
