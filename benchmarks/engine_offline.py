@@ -41,6 +41,8 @@ os.environ.setdefault(
 import jax  # noqa: E402
 
 import jkv  # noqa: E402
+from jkv.engine import ahead as ahead_module  # noqa: E402
+from jkv.engine import engine as engine_module  # noqa: E402
 from jkv.kv import bucket  # noqa: E402
 
 SHAPES = {
@@ -65,13 +67,58 @@ def static_batches(params, prompts):
     return out
 
 
-def engine_run(params, prompts):
+class StepClock:
+    """Where an engine run's time goes, by wrapping the engine's two calls at the device
+    boundary: `to_host` (the host waiting for a step's tokens: host idle; in `engine` for a
+    step read at once, in `ahead` for one read a step late) and
+    `ragged_step` (a dispatch; the step before's output `last_tok` already computed when it is
+    dispatched means the device had run out of work: it waited for the host)."""
+
+    def __init__(self):
+        self.waiting, self.dispatches, self.device_waited = 0.0, 0, 0
+
+    def __enter__(self):
+        self.saved = engine_module.to_host, engine_module.ragged_step, ahead_module.to_host
+        real_host, real_step, _ = self.saved
+
+        def to_host(x):
+            t0 = time.perf_counter()
+            out = real_host(x)
+            self.waiting += time.perf_counter() - t0
+            return out
+
+        def ragged_step(*args, **kwargs):
+            self.dispatches += 1
+            self.device_waited += bool(args[8].is_ready())  # `last_tok`: the step before's
+            return real_step(*args, **kwargs)
+
+        engine_module.to_host, engine_module.ragged_step = to_host, ragged_step
+        ahead_module.to_host = to_host
+        return self
+
+    def __exit__(self, *exc):
+        engine_module.to_host, engine_module.ragged_step, ahead_module.to_host = self.saved
+
+
+def engine_run(params, prompts, async_scheduling=True):
     engine = jkv.Engine(params, num_pages=4096, page_size=16, token_budget=512, chunk=128,
-                        max_running=32, max_model_len=256)  # fmt: skip
+                        max_running=32, max_model_len=256,
+                        async_scheduling=async_scheduling)  # fmt: skip
     warm = engine.warmup()
-    t0 = time.perf_counter()
-    toks = engine.generate(prompts, max_new_tokens=NEW_TOKENS)
-    return toks, time.perf_counter() - t0, warm, engine.scheduler.num_preemptions
+    steps = engine.stats()["steps"]
+    with StepClock() as clock:
+        t0 = time.perf_counter()
+        toks = engine.generate(prompts, max_new_tokens=NEW_TOKENS)
+        seconds = time.perf_counter() - t0
+    steps = engine.stats()["steps"] - steps
+    split = dict(
+        steps=steps,
+        ms_per_step=round(seconds / steps * 1e3, 3),
+        host_waiting_ms_per_step=round(clock.waiting / steps * 1e3, 3),
+        host_busy_ms_per_step=round((seconds - clock.waiting) / steps * 1e3, 3),
+        device_waited_share=round(clock.device_waited / max(clock.dispatches, 1), 3),
+    )
+    return toks, seconds, warm, engine.scheduler.num_preemptions, split
 
 
 def transformers_run(path, prompts):
@@ -135,15 +182,18 @@ def main(argv=None) -> int:
         n_params = sum(x.size for x in jax.tree_util.tree_leaves(params.weights))
         seq, seq_s = timed(sequential, params, prompts)
         stat, stat_s = timed(static_batches, params, prompts)
-        eng, eng_s, warm_s, preempted = engine_run(params, prompts)
+        sync, sync_s, _, _, sync_split = engine_run(params, prompts, async_scheduling=False)
+        eng, eng_s, warm_s, preempted, split = engine_run(params, prompts)
         hf, hf_s = transformers_run(str(path), prompts)
     assert eng == seq, "the engine's greedy tokens differ from jkv.generate's"
+    assert sync == seq, "the engine's greedy tokens without async scheduling differ"
     assert stat == seq, "static batches' greedy tokens differ from jkv.generate's"
     agree = sum(a == b for a, b in zip(hf, seq, strict=True)) / len(seq)
     tokens = NEW_TOKENS * len(prompts)
     rows = [
         dict(system="jkv.generate, one request at a time", seconds=seq_s),
         dict(system=f"jkv.generate, static batches of {BATCH}", seconds=stat_s),
+        dict(system="jkv.Engine, async scheduling off", seconds=sync_s),
         dict(system="jkv.Engine (continuous batching)", seconds=eng_s),
         dict(system="transformers generate_batch (paged|sdpa)", seconds=hf_s),
     ]
@@ -160,11 +210,18 @@ def main(argv=None) -> int:
               f"{r['vs_sequential']:13.2f}")  # fmt: skip
     print(f"engine warmup {warm_s:.1f} s, preemptions {preempted}; transformers' greedy tokens "
           f"equal jkv's for {agree:.0%} of requests")  # fmt: skip
+    print(f"{'engine steps':26s} {'steps':>6s} {'ms/step':>8s} {'host waits':>11s} "
+          f"{'host busy':>10s} {'device waited':>14s}")  # fmt: skip
+    for name, sp in (("async scheduling off", sync_split), ("async scheduling", split)):
+        print(f"{name:26s} {sp['steps']:6d} {sp['ms_per_step']:8.2f} "
+              f"{sp['host_waiting_ms_per_step']:11.2f} {sp['host_busy_ms_per_step']:10.2f} "
+              f"{sp['device_waited_share']:14.0%}")  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = dict(
         requests=args.requests, parameters=n_params, new_tokens=NEW_TOKENS, prompt_tokens=[16, 128], model=dict(name=args.model, **shape),
         rows=rows, engine_warmup_s=round(warm_s, 1), engine_preemptions=preempted,
+        engine_steps={"async scheduling off": sync_split, "async scheduling": split},
         transformers_agreement=agree, engine_equals_sequential=True,
         machine=dict(python=platform.python_version(), cpus=os.cpu_count()),
     )  # fmt: skip

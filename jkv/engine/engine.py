@@ -8,7 +8,9 @@
 
 The scheduler (plain Python) decides which tokens run; the runner maps their pages, runs THE
 model step and samples. Per-request settings (sampling values, seed, max_new_tokens, stop
-strings) are per-row data: requests with different settings share a step.
+strings) are per-row data: requests with different settings share a step. With async
+scheduling (the default) a step is dispatched before the step before's tokens are read, and
+those come back from the next `step()` call (`jkv.engine.ahead`).
 
 `add_request` and `abort` are messages: from any thread (or the event loop) they are checked and
 queued, never waiting for a running step; each step starts by taking them in (vLLM's
@@ -45,9 +47,11 @@ import itertools
 import threading
 import time
 
+import jax.numpy as jnp
 import numpy as np
 
 from jkv.core.sampling import SamplingArrays
+from jkv.engine.ahead import PLACEHOLDER, Ahead, AsyncSteps
 from jkv.engine.page_pool import PagePool
 from jkv.engine.policy_steps import PolicySteps
 from jkv.engine.ragged import order, pack_ragged, ragged_step
@@ -76,7 +80,7 @@ SERVED = "snapkv, pyramidkv, adakv, efficache, quantile, streaming, h2o"
 __all__ = ["Engine", "RequestFailed", "RequestOutput"]
 
 
-class Engine(Streams, PolicySteps, Recovery, Warmup):
+class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
     def __init__(
         self,
         params: Params,
@@ -97,6 +101,7 @@ class Engine(Streams, PolicySteps, Recovery, Warmup):
         attention_mass: bool = False,
         mesh=None,
         kv_events=None,
+        async_scheduling: bool = True,
     ):
         if not isinstance(params, Params):
             raise ValueError(
@@ -150,6 +155,11 @@ class Engine(Streams, PolicySteps, Recovery, Warmup):
         )
         self.rows = RowTables(max_running, -(-self.max_model_len // page_size) + 2)
         self.device = self._empty_device()
+        # Async scheduling: the flattened step dispatched, its tokens not read yet (`Ahead`),
+        # and the last one's sampled tokens on the device (the next step's decode inputs).
+        self.async_scheduling = bool(async_scheduling)
+        self._pending: Ahead | None = None
+        self._last_tok = jnp.zeros(bucket(max_running), jnp.int32)  # as a step's output is
         self.eos_ids = tuple(sorted(set(cfg.eos_token_ids)))
         self._rows: dict[str, Row] = {}
         self._ids = itertools.count()
@@ -173,7 +183,7 @@ class Engine(Streams, PolicySteps, Recovery, Warmup):
 
     @property
     def has_work(self) -> bool:
-        return bool(self._inbox) or self.scheduler.has_work
+        return bool(self._inbox) or self.scheduler.has_work or self._awaited()
 
     def _pages_for_memory(self, fraction, page_size: int) -> int:
         """Pages that fit in `fraction` of the device's free memory (instead of `num_pages`)."""
@@ -377,26 +387,38 @@ class Engine(Streams, PolicySteps, Recovery, Warmup):
 
     def step(self) -> list[RequestOutput]:
         """Takes in queued adds and aborts, then runs one scheduled model step. Returns an
-        output for every request that sampled a token (or finished, or failed) in it."""
+        output for every request that sampled a token (or finished, or failed) in it; with
+        async scheduling, a flattened step's tokens come back from the next call (see
+        `_ahead`)."""
         self._lock.acquire()
         try:
             self._deliver(self._drain())
             if self.lockstep is not None:  # the group's other engines take the same step
                 self.lockstep.tick()
-            if not self.scheduler.has_work:
+            if not self.scheduler.has_work and not self._awaited():
+                self._pending = None  # nobody waits for its tokens
                 return []
             plan = None
             try:
-                plan = self.scheduler.schedule()
+                plan = self.scheduler.schedule() if self.scheduler.has_work else None
                 if self.lockstep is not None:
                     self.lockstep.planned(plan)
-                return self._run_step(plan)
+                if plan is not None and self._overlaps(plan):
+                    ahead = self._ahead(plan)
+                    outs = self._read_back()
+                    self._pending = ahead
+                    return outs
+                outs = self._read_back()
+                if plan is not None:
+                    outs += self._run_step(self._still_running(plan))
+                return outs
             except Exception as err:  # noqa: BLE001 - one failure fails one step
                 return self._recover(plan, err)
         finally:
             self._release()
 
-    def _run_step(self, plan) -> list[RequestOutput]:
+    def _start(self, plan) -> None:
+        """A step begins: counted, its rows' first-scheduled times and block rows set."""
         self._steps += 1
         now = time.monotonic()
         for r in plan.scheduled:
@@ -404,6 +426,11 @@ class Engine(Streams, PolicySteps, Recovery, Warmup):
                 r.seq.first_scheduled = now
         self.rows.keep_only({s.request_id for s in self.scheduler.running})
         self._sync_rows()
+
+    def _run_step(self, plan) -> list[RequestOutput]:
+        """Runs `plan` and reads its tokens back before returning (the steps policies shape,
+        and every step without async scheduling)."""
+        self._start(plan)
         sampled: dict[str, int] = {}
         kept: dict[str, tuple] = {}  # what a policy keeps of prompts that end in this step
         flat, groups = [], {}  # rows with no policy this step; the others by the policy
@@ -427,33 +454,34 @@ class Engine(Streams, PolicySteps, Recovery, Warmup):
         for r in plan.scheduled:
             if r.seq.status is Status.RUNNING and r.seq.awaits_compression:
                 self._compress(r.seq, *kept[r.seq.request_id])
-        outs = []
-        for r in plan.scheduled:
-            rid = r.seq.request_id
-            if rid not in sampled:
-                continue
-            row = self._rows[rid]
-            tokens, text = row.take(r.seq, rid in finished)
-            if row.stopped and rid not in finished:  # a stop string: the request ends here
-                self.scheduler.finish(r.seq, "stop")  # (also if preempted in this step)
-                finished.add(rid)
-            reason = "stop" if row.stopped else r.seq.finish_reason
-            outs.append(
-                RequestOutput(
-                    rid,
-                    tokens,
-                    rid in finished,
-                    reason,
-                    cached[rid],
-                    text,
-                    r.seq.first_scheduled,
-                    held[rid],
-                    r.seq.preemptions,
-                )  # fmt: skip
-            )
-            if rid in finished:
-                self._forget(rid)
-        return outs
+        return [
+            self._output(
+                r.seq,
+                r.seq.request_id in finished,
+                cached[r.seq.request_id],
+                held[r.seq.request_id],
+            )  # fmt: skip
+            for r in plan.scheduled
+            if r.seq.request_id in sampled
+        ]
+
+    def _output(self, seq, finished: bool, cached: int, held: int, end=None) -> RequestOutput:
+        """What a step did for `seq`: the tokens it sampled since the last output (of its first
+        `end` only: those read back); a stop string among them ends the request here (also if
+        it was preempted in this step)."""
+        rid = seq.request_id
+        row = self._rows[rid]
+        tokens, text = row.take(seq, finished, end)
+        if row.stopped and not finished:
+            if end is not None:
+                del seq.output[end:]  # the placeholder of a step that ran on without it
+            self.scheduler.finish(seq, "stop")
+            finished = True
+        reason = "stop" if row.stopped else seq.finish_reason
+        if finished:
+            self._forget(rid)
+        return RequestOutput(rid, tokens, finished, reason, cached, text, seq.first_scheduled,
+                             held, seq.preemptions)  # fmt: skip
 
     def _sync_rows(self) -> None:
         """Tells the device the block rows the host changed since the last call."""
@@ -475,16 +503,25 @@ class Engine(Streams, PolicySteps, Recovery, Warmup):
 
     def _run_flat(self, scheduled) -> dict[str, int]:
         """The rows that need no policy this step, in one flattened step over the pool."""
+        tok = to_host(self._dispatch_flat(scheduled))
+        return {r.seq.request_id: int(tok[i]) for i, r in enumerate(scheduled) if r.samples}
+
+    def _dispatch_flat(self, scheduled):
+        """Dispatches the flattened step over `scheduled` (in `order`); its `[P]` sampled
+        tokens on the device. A placeholder among the inputs is the dispatched step's token."""
         rows, tokens, positions = pack_ragged(
             scheduled, self.rows, self.scheduler.group, self.pool.page_size
         )
+        from_last = np.full(len(tokens), -1, np.int32)
+        for t in np.flatnonzero(tokens == PLACEHOLDER):
+            from_last[t] = self._pending.samplers[scheduled[rows.tok_row[t]].seq.request_id]
         sampling, index = self._sampling(scheduled, len(rows.q_len))
-        tok, self.device = ragged_step(
+        self._last_tok, self.device = ragged_step(
             self.params.weights, self.params.config, self.device, rows, tokens, positions,
-            sampling, index, backend=self.backend, dtype=self.kv_dtype, mesh=self.mesh,
+            sampling, index, self._last_tok, from_last, backend=self.backend,
+            dtype=self.kv_dtype, mesh=self.mesh,
         )  # fmt: skip
-        tok = to_host(tok)
-        return {r.seq.request_id: int(tok[i]) for i, r in enumerate(scheduled) if r.samples}
+        return self._last_tok
 
     # ------------------------------------------------------------------ the rest
 

@@ -41,14 +41,19 @@ def ragged_step(
     positions,
     sampling: SamplingArrays,
     sample_index,
+    last_tok,
+    from_last,
     *,
     backend: str,
     dtype: str,
     mesh=None,
 ):
     """One step over the flattened tokens `[T]` (text positions `[T]`) of `rows`; `mesh`: the
-    pool is sharded over kv heads on its "model" axis (`jkv.core.paged`). Returns (`[R]` int32
-    each row's token sampled at its last one, the updated pool)."""
+    pool is sharded over kv heads on its "model" axis (`jkv.core.paged`). `last_tok` `[P]`: the
+    step before's output, `from_last` `[T]`: where a token is its row `from_last[t]` of it (a
+    token the host has not read yet: async scheduling), -1 where `tokens` has it. Returns
+    (`[P]` int32: row r's token sampled at its last one at r < R, the updated pool)."""
+    tokens = jnp.where(from_last >= 0, last_tok[jnp.maximum(from_last, 0)], tokens)
     scales = ("k_scale", "v_scale") if pool.k_scale is not None else ()
     names = ("k", "v", "positions", "block_pages", *scales)
     state = {"pool": {n: getattr(pool, n) for n in names}}
@@ -58,6 +63,7 @@ def ragged_step(
     last = rows.q_start + jnp.maximum(rows.q_len - 1, 0)  # [R]
     logits = flat_step(weights, config, tokens, positions, attend, last)  # [R, V]
     tok = sample(logits, sampling, sample_index)
+    tok = jnp.zeros_like(last_tok).at[: tok.shape[0]].set(tok)  # one shape: the next step's input
     new = state["pool"]
     return tok, dataclasses.replace(pool, **{n: new[n] for n in names if n != "block_pages"})
 

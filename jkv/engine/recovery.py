@@ -15,14 +15,17 @@ from jkv.engine.request_output import RequestOutput
 class Recovery:
     def _recover(self, plan, err: Exception) -> list[RequestOutput]:
         """After a step raised: its requests (every running one if scheduling itself failed)
-        fail, and the engine is made whole for the next: a pool whose buffers were donated is
-        re-created (cached blocks forgotten, running requests recompute), books that no longer
-        add up are rebuilt. If that fails too, the engine is unhealthy."""
+        and those of a dispatched step not read back yet fail, and the engine is made whole
+        for the next: a pool whose buffers were donated is re-created (cached blocks
+        forgotten, running requests recompute), books that no longer add up are rebuilt. If that fails too, the engine is unhealthy."""
         self.failures += 1
         message = f"{type(err).__name__}: {err}"
         seqs = [r.seq for r in plan.scheduled] if plan is not None else list(self.scheduler.running)
+        if self._pending is not None:  # a dispatched step whose tokens were not read back
+            seqs += [r.seq for r in self._pending.scheduled]  # (its pool went to this one)
+            self._pending = None
         outs = []
-        for seq in seqs:
+        for seq in {s.request_id: s for s in seqs}.values():  # (one may be in both)
             with self._known_lock:
                 if seq.request_id not in self._known:
                     continue  # aborted by its client before the failure

@@ -38,17 +38,18 @@ class Row:
     def stopped(self) -> bool:
         return self.out is not None and self.out.hit is not None
 
-    def take(self, seq, final: bool) -> tuple[list[int], str]:
+    def take(self, seq, final: bool, end: int | None = None) -> tuple[list[int], str]:
         """The tokens `seq` sampled since the last call (none past a stop string) and the new
-        settled text."""
+        settled text; `end`: of its first `end` output tokens only (those read back)."""
+        output = seq.output if end is None or end == len(seq.output) else seq.output[:end]
         if self.out is None:
-            tokens = seq.output[self.tokens :]
-            self.tokens = len(seq.output)
+            tokens = output[self.tokens :]
+            self.tokens = len(output)
             return tokens, ""
-        self.out.push(seq.output[self.pushed :])
-        self.pushed = len(seq.output)
-        upto = self.out.hit[1] if self.out.hit is not None else len(seq.output)
-        tokens = seq.output[self.tokens : upto]
+        self.out.push(output[self.pushed :])
+        self.pushed = len(output)
+        upto = self.out.hit[1] if self.out.hit is not None else len(output)
+        tokens = output[self.tokens : upto]
         self.tokens = max(self.tokens, upto)
         text = self.out.text if final or self.stopped else self.out.settled()
         delta, self.chars = text[self.chars :], max(self.chars, len(text))

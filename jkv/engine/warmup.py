@@ -84,8 +84,9 @@ class Warmup:
                 idle = PagedRows(z(b, self.rows.width), z(b, g), z(b), z(b), z(b), z(b),
                                  np.full(t, b, np.int32), z(t), np.int32(0), np.int32(0))  # fmt: skip
                 sampling = SamplingArrays.build([probe.sampling] * b, [probe.seed] * b)
-                tok, self.device = ragged_step(
+                self._last_tok, self.device = ragged_step(
                     self.params.weights, cfg, self.device, idle, z(t), z(t), sampling, z(b),
-                    backend=self.backend, dtype=self.kv_dtype, mesh=self.mesh,
+                    self._last_tok, np.full(t, -1, np.int32), backend=self.backend,
+                    dtype=self.kv_dtype, mesh=self.mesh,
                 )  # fmt: skip
-                tok.block_until_ready()
+                self._last_tok.block_until_ready()

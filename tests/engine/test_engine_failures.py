@@ -13,8 +13,8 @@ import threading
 import pytest
 
 import jkv
+from jkv.engine import ahead, policy_steps
 from jkv.engine import engine as engine_module
-from jkv.engine import policy_steps
 from jkv.engine.engine import Engine, RequestFailed
 from jkv.engine.page_pool import PagePool
 from jkv.engine.scheduler import Scheduler
@@ -87,8 +87,9 @@ def fail_then_recover(engine, demo, prompts, monkeypatch, target, after, **setti
 @pytest.mark.parametrize(
     "where, after",
     # before the model call; after the step that donated the pool (its buffers gone); inside
-    # the host's books
-    [("ragged_step", False), ("ragged_step", True), ("finish_step", True)],
+    # the host's books; reading back a step dispatched ahead (async scheduling: the step after
+    # it is on the device already)
+    [("ragged_step", False), ("ragged_step", True), ("finish_step", True), ("to_host", False)],
 )
 def test_a_failed_step_fails_its_requests_and_the_next_ones_succeed(
     engine, demo, prompts, monkeypatch, where, after
@@ -98,6 +99,8 @@ def test_a_failed_step_fails_its_requests_and_the_next_ones_succeed(
     def target(fn):
         if where == "finish_step":
             return (engine.scheduler, "finish_step", fn)
+        if where == "to_host":
+            return (ahead, "to_host", fn)
         return (engine_module, where, fn)
 
     fail_then_recover(engine, demo, prompts, monkeypatch, target, after)
