@@ -1,8 +1,8 @@
 """The response cache's default embedder: the served model's mean-pooled hidden state.
 
 `ModelEmbedder(params)` maps a prompt to the mean of its final-norm hidden states (one causal
-pass, no cache); `fit_clusters` fits k-means centroids (`jkv.response_cache.KMeansClusterer`) on sample
-prompts. Handed to `jkv.ResponseCache(embedder=..., clusterer=...)`, they give every cached
+pass, no cache); `fit_clusters` fits k-means centroids (`jkv.response_cache.KMeansClusterer`) on
+sample prompts. Handed to `jkv.ResponseCache(embedder=..., clusterer=...)`, they give every cached
 answer the id of its nearest centroid, its "knowledge group": `cache.invalidate_group(model, id)`
 then drops every answer about that topic on every node after the knowledge behind it changes.
 """

@@ -334,8 +334,9 @@ def with_room(state: KVState, extra: int) -> KVState:
 
 
 def nbytes(state: KVState) -> int:
-    """Bytes of K, V and their fp8 scales: the 2 * S * K * H * itemsize per layer and row of the allocated state (with
-    the segment rebuild's slot biases and low-rank factors, which attention reads as K and V)."""
+    """Bytes of K, V and their fp8 scales: the 2 * S * K * H * itemsize per layer and row of the
+    allocated state (with the segment rebuild's slot biases and low-rank factors, which attention
+    reads as K and V)."""
     total = 0
     for layer in state.layers:
         total += layer.k.nbytes + layer.v.nbytes

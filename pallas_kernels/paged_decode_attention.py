@@ -6,8 +6,9 @@ Layout (the serving engine's pool, KV-Compress style: a page holds ONE kv head's
     k/v_scale_pages    [P, page_size]      FP8 scales (bfloat16)
     pos_pages          [P, page_size]      text position of every stored token
     page_table         [B, K, max_pages]   page ids of (row b, kv head k) for this layer's call
-    lengths            [B, K]              token i < len[b,k] lives at page_table[b,k,i // page_size],
-                                           offset i % page_size; entries past the length are unread
+    lengths            [B, K]              token i < len[b,k] lives at
+                                           page_table[b,k,i // page_size], offset i % page_size;
+                                           entries past the length are unread
 
 Heads of one row may hold different numbers of tokens (per-head compression) and a head's pages
 lie anywhere in the pool; two rows may share pages (prefix caching). Maths, for row b, kv head

@@ -459,8 +459,13 @@ def ragged_paged_attention(
     scale = 1.0 / math.sqrt(h) if sm_scale is None else float(sm_scale)
     # the longest row's query tiles (a static bound: every chunk fits the step's tokens)
     tiles = bk.cdiv(t, q_tile)
-    per_row = lambda *blk: pl.BlockSpec((None, *blk), lambda i, j, _: (i,) + (0,) * len(blk))  # noqa: E731
-    per_kv = lambda *blk: pl.BlockSpec((None, None, *blk), lambda i, j, _: (i, j) + (0,) * len(blk))  # noqa: E731
+
+    def per_row(*blk):
+        return pl.BlockSpec((None, *blk), lambda i, j, _: (i,) + (0,) * len(blk))
+
+    def per_kv(*blk):
+        return pl.BlockSpec((None, None, *blk), lambda i, j, _: (i, j) + (0,) * len(blk))
+
     whole = lambda *shape: pl.BlockSpec(shape, lambda i, j, _: (0,) * len(shape))  # noqa: E731
     args = [q, bk.to_bits(k_pages), bk.to_bits(v_pages), page_table.astype(jnp.int32),
             jnp.clip(lengths.astype(jnp.int32), 0, m * page_size), q_start.astype(jnp.int32),

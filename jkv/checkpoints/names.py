@@ -3,8 +3,8 @@ keys and `jkv cache invalidate-model`.
 
 A name defaults to the checkpoint folder's (a jkv folder keeps the name it was saved with, so
 `jkv convert` keeps the source folder's), made valid for cache keys by
-`jkv.response_cache.keys.derive_model_name` ("demo copy" -> "demo-copy"). A name given with `name=` is
-used as is, or refused when keys cannot hold it.
+`jkv.response_cache.keys.derive_model_name` ("demo copy" -> "demo-copy"). A name given with `name=`
+is used as is, or refused when keys cannot hold it.
 """
 
 from __future__ import annotations

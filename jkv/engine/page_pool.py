@@ -6,7 +6,8 @@ their scales): the device stores exactly the pool's pages, `[num_pages, page_siz
 being the null page tables are padded with. A *block* is `page_size` token positions of a
 sequence over every (layer, kv head): a row of `group_size = num_layers * num_kv_heads` page
 ids, `row(block)[layer * num_kv_heads + head]` (vLLM's block, with KV-Compress's pages
-inside; the rows are one flat int32 `array`, the host copy of the device's `block_pages`). A sequence's page table is its list of block ids: one table for every head, however
+inside; the rows are one flat int32 `array`, the host copy of the device's `block_pages`).
+A sequence's page table is its list of block ids: one table for every head, however
 many layers the model has. Once a KV policy makes heads differ, a block may have holes (page 0
 where a head keeps nothing) and its pages are handed back one by one.
 

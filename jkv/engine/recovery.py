@@ -17,7 +17,8 @@ class Recovery:
         """After a step raised: its requests (every running one if scheduling itself failed)
         and those of a dispatched step not read back yet fail, and the engine is made whole
         for the next: a pool whose buffers were donated is re-created (cached blocks
-        forgotten, running requests recompute), books that no longer add up are rebuilt. If that fails too, the engine is unhealthy."""
+        forgotten, running requests recompute), books that no longer add up are rebuilt. If that
+        fails too, the engine is unhealthy."""
         self.failures += 1
         message = f"{type(err).__name__}: {err}"
         seqs = [r.seq for r in plan.scheduled] if plan is not None else list(self.scheduler.running)

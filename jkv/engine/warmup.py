@@ -81,8 +81,10 @@ class Warmup:
         for b in rows:
             for t in (1 << i for i in range(b.bit_length() - 1, most.bit_length())):
                 z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
-                idle = PagedRows(z(b, self.rows.width), z(b, g), z(b), z(b), z(b), z(b),
-                                 np.full(t, b, np.int32), z(t), np.int32(0), np.int32(0))  # fmt: skip
+                idle = PagedRows(
+                    z(b, self.rows.width), z(b, g), z(b), z(b), z(b), z(b),
+                    np.full(t, b, np.int32), z(t), np.int32(0), np.int32(0),
+                )  # fmt: skip
                 sampling = SamplingArrays.build([probe.sampling] * b, [probe.seed] * b)
                 self._last_tok, self.device = ragged_step(
                     self.params.weights, cfg, self.device, idle, z(t), z(t), sampling, z(b),

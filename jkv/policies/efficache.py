@@ -10,8 +10,9 @@ Two criteria per (layer, kv head), per row:
 Heads are ranked by low sensitivity and by high entropy; the `prune_ratio` of each layer's kv
 heads with the best combined rank are pruned. With `grad_threshold` and `entropy_threshold` set,
 the absolute rule applies instead: prune where sensitivity < grad_threshold AND entropy >
-entropy_threshold (absolute thresholds depend on the model and prompt; ranks do not). With the dense `[B, K, S, H]` layout a layer
-allocates the unpruned heads' budget for all of its heads; the pruned heads' savings show in
+entropy_threshold (absolute thresholds depend on the model and prompt; ranks do not). With the
+dense `[B, K, S, H]` layout a layer allocates
+the unpruned heads' budget for all of its heads; the pruned heads' savings show in
 `kv_bytes_used` (real per-head savings need the paged pool).
 """
 

@@ -1,8 +1,9 @@
 """Invalidation: model generations, group drops, and the Pub/Sub listener.
 
 Model weights updated (`invalidate_model`):
-  1. `INCR llm:gen:{model}` (on a cluster, then `WAIT 1` on that primary: see l2.py). Every key carries the model's generation, so from this moment
-     no node that knows the new generation can read or write an old entry.
+  1. `INCR llm:gen:{model}` (on a cluster, then `WAIT 1` on that primary: see l2.py). Every key
+     carries the model's generation, so from this moment no
+     node that knows the new generation can read or write an old entry.
   2. The issuing node drops the model's L1 entries and PUBLISHes `{"op": "model", ...}` on
      the channel; every listening node adopts the new generation and drops its L1 entries.
   3. A background thread deletes the old generations' keys and group sets: SCAN MATCH by
