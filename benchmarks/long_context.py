@@ -51,9 +51,10 @@ from jkv import kv as kvlib  # noqa: E402
 from jkv.core.attention import cached_attention_reference  # noqa: E402
 from jkv.core.sampling import SamplingArrays  # noqa: E402
 from jkv.decode import DecodeState, decode  # noqa: E402
-from jkv.memory import prefill_plan  # noqa: E402
+from jkv.memory import REQUEST_TOKENS, prefill_plan  # noqa: E402
 from jkv.policies.compress import compress  # noqa: E402
 from jkv.prefill import PREFILL_CHUNK, empty_state, prefill_step  # noqa: E402
+from jkv.replay import replay_pass  # noqa: E402
 from jkv.request import Request  # noqa: E402
 from jkv_models.config import preset  # noqa: E402
 from jkv_models.llama import forward, param_shapes, rope  # noqa: E402
@@ -354,8 +355,9 @@ def xla_peaks(cfg, batch, seq_len, max_new, dtype, policy, chunk=PREFILL_CHUNK):
     """(prefill peak, decode peak) in bytes, weights excluded, of the programs a request of
     `batch` rows of `seq_len` tokens compiles, by XLA's buffer assignment: the prefill step over
     the cache prefill holds, the eviction after each chunk (policies that compress as the prompt
-    streams in), the compression after prefill (prefill's peak: the largest of these), and the
-    decode loop over the cache after prefill."""
+    streams in), KVzip's replay (with the state it is cut from, live beside it), the compression
+    after prefill (prefill's peak: the largest of these), and the decode loop over the cache after
+    prefill."""
     weights = param_shapes(cfg)
     w = nbytes(weights)  # read by the model steps (and EffiCache's compression) only
     lengths = [seq_len] * batch
@@ -370,6 +372,13 @@ def xla_peaks(cfg, batch, seq_len, max_new, dtype, policy, chunk=PREFILL_CHUNK):
     n = ints(batch)
     step = prefill_step.lower(weights, cfg, ints(batch, plan.step), n, kv, policy=key)
     prefill = [xla_peak(step.compile(), w)]
+    if policy is not None and policy.needs_replay:  # KVzip: over the state cut to the prompt
+        p = kvlib.fine_bucket(seq_len)
+        r = kvlib.fine_bucket(min(seq_len, policy.chunk) + REQUEST_TOKENS)
+        work = jax.eval_shape(lambda: empty_state(cfg, batch, p, dtype, policy=key, limit=limits))
+        again = replay_pass.lower(weights, cfg, work, ints(batch, r), n, backend="xla",
+                                  policy=policy.replay_key())  # fmt: skip
+        prefill.append(xla_peak(again.compile(), w) + nbytes(kv))  # + the state it was cut from
     w_compress = w if policy is not None and policy.needs_sensitivity else 0
     if plan.evict_to is not None:
         evict = compress.lower(weights, cfg, kv, ints(batch, plan.step), n, n, policy=key,

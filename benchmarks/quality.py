@@ -39,20 +39,34 @@ KVPRESS_FOR = {  # the kvpress press of the same method, for the side-by-side ro
     "h2o": "observed_attention",
     "pyramidkv": "pyramidkv",
     "quantile": "knorm",
+    "adakv": "adakv",
+    "kvzip": "kvzip",
 }
 
 
 def policy_spec(spec: str) -> tuple[str, dict]:
     """`"snapkv:window=16,kernel=11,pool=max"` -> ("snapkv", {"window": 16, ...}): a jkv
-    policy name and the fields set beside the budget (ints where they parse)."""
+    policy name and the fields set beside the budget (ints, floats and true/false where they
+    parse)."""
     name, _, fields = spec.partition(":")
     kw = {}
     for item in filter(None, fields.split(",")):
         key, eq, value = item.partition("=")
         if not eq:
             raise ValueError(f"policy field {item!r} in {spec!r} must be key=value")
-        kw[key] = int(value) if value.lstrip("-").isdigit() else value
+        kw[key] = _value(value)
     return name, kw
+
+
+def _value(text: str):
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def policy_kw(spec: str | None, ratio: float) -> dict:

@@ -30,6 +30,8 @@ Settings side by side (kvpress 0.5.5 defaults are used unless `--match-jkv`):
 | observed_attention | ObservedAttentionPress: mean attention received from the prompt's queries, no recent window (needs eager attention) | H2O recent=32 + heaviest accumulated attention mass; evicts while decoding |
 | pyramidkv | PyramidKVPress beta=20, window_size=64, kernel_size=5; uniform SnapKV budgets unless the layer minimum `kept / beta` reaches `window_size` (so below ~1280 kept tokens) | PyramidKV beta=20, linear layer factors from 2b/(b+1) to 2/(b+1) |
 | knorm | KnormPress: keeps the lowest key L2 norms | Quantile keep_norms="high" (L1, seed 2.3); "low" is Knorm's rule |
+| adakv | AdaKVPress(SnapKVPress window_size=64, kernel_size=5), alpha_safeguard=0.2; heads share a layer's budget (masked, not removed) | AdaKV window=32, kernel=7, alpha_safeguard=0.2, a head capped at 2x the budget |
+| kvzip | KVzipPress n_sink=4, layerwise=False, chunk_size=2048: the context replayed, max attention per slot, ranked over all layers and heads (masked, not removed) | KVzip sink=4, layerwise=False, chunk=2048, a head capped at 2x the budget |
 | expected_attention | ExpectedAttentionPress n_future_positions=512, n_sink=4, covariance and value norms on | none |
 
     python benchmarks/quality_kvpress.py --hf DIR --examples 20 --context 256 [--match-jkv]
@@ -66,7 +68,18 @@ METHODS = {
     ),
     "knorm": ("KnormPress", "Quantile", {}),
     "expected_attention": ("ExpectedAttentionPress", None, {}),
+    "adakv": (
+        "AdaKVPress",
+        "AdaKV",
+        {"window_size": "window", "kernel_size": "kernel", "alpha_safeguard": "alpha_safeguard"},
+    ),
+    "kvzip": ("KVzipPress", "KVzip", {"n_sink": "sink", "layerwise": "layerwise"}),
 }
+# The attention implementation a press needs (others run on either): ObservedAttention reads
+# the attention weights (eager); the presses that mask instead of removing assert non-eager.
+ATTENTION = {"observed_attention": "eager", "adakv": "sdpa", "kvzip": "sdpa"}
+# Fields of a press that wraps another (AdaKV's scorer is SnapKV's).
+WRAPS = {"AdaKVPress": ("SnapKVPress", ("window_size", "kernel_size"))}
 
 
 def compression_ratio(kept: float) -> float:
@@ -80,6 +93,11 @@ def _factory(class_name: str):
     def make(ratio: float, **overrides):
         import kvpress
 
+        if class_name in WRAPS:
+            inner, fields = WRAPS[class_name]
+            inner_kw = {k: overrides.pop(k) for k in fields if k in overrides}
+            scorer = getattr(kvpress, inner)(compression_ratio=compression_ratio(ratio), **inner_kw)
+            return getattr(kvpress, class_name)(press=scorer, **overrides)
         return getattr(kvpress, class_name)(compression_ratio=compression_ratio(ratio), **overrides)
 
     make.__name__ = make.__qualname__ = f"make_{class_name}"
@@ -101,7 +119,7 @@ def side_by_side(name: str) -> dict:
     """kvpress's press fields (its defaults) beside the jkv policy's defaults, for one method."""
     cls, policy, _ = METHODS[name]
     press = dataclasses.asdict(PRESSES[name](0.5))
-    press.pop("compression_ratio")
+    press.pop("compression_ratio", None)
     jkv = None if policy is None else {"policy": policy, **_jkv_defaults(policy)}
     return {"kvpress": {"press": cls, **press}, "jkv": jkv}
 
@@ -234,7 +252,8 @@ def generate_ids(model, context_ids, question_ids, press, max_new_tokens: int):
       max_new_tokens: tokens to generate at most (stops after `</s>`).
 
     Returns:
-      (generated ids, kept entries per layer after compression).
+      (generated ids, kept entries per layer after compression: the cache's length, less the
+      entries a masking press (AdaKV, KVzip) hides, averaged over the kv heads).
     """
     import torch
     from transformers import DynamicCache
@@ -246,7 +265,12 @@ def generate_ids(model, context_ids, question_ids, press, max_new_tokens: int):
     with torch.no_grad(), layer_masks(model):
         with press(model) if press is not None else contextlib.nullcontext():
             out = model(input_ids=context_ids, past_key_values=cache, logits_to_keep=1)
-        kept = [cache.get_seq_length(i) for i in range(len(cache))]
+        heads = model.config.num_key_value_heads
+        kept = []
+        for i, layer in enumerate(model.model.layers):
+            masked = getattr(layer.self_attn, "masked_key_indices", None)
+            hidden = 0 if masked is None else len(masked[0]) / heads
+            kept.append(cache.get_seq_length(i) - hidden)
         if q:
             positions = torch.arange(n, n + q).unsqueeze(0)
             out = model(

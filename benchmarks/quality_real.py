@@ -172,6 +172,21 @@ def kvpress_text(model, tok, pairs, spec, ratio):
 
 
 # ---------------------------------------------------------------------------- runs
+class Loaded:
+    """The HF export run by transformers, loaded once per attention implementation: sdpa, or
+    eager for the press that reads attention weights (`quality_kvpress.ATTENTION`)."""
+
+    def __init__(self, folder):
+        self.folder, self.models = folder, {}
+
+    def for_spec(self, spec):
+        peer = None if spec is None else q.kvpress_for(spec)
+        kind = "sdpa" if peer is None else qk.ATTENTION.get(peer[0], "sdpa")
+        if kind not in self.models:
+            self.models[kind] = qk.load_hf(self.folder, attn_implementation=kind)
+        return self.models[kind]
+
+
 def settings(policies, ratios):
     yield None, 1.0
     for spec in policies:
@@ -188,17 +203,18 @@ def run(args, save=lambda rows: None) -> list[dict]:
     if args.peer == "kvpress":
         folder = Path(tempfile.mkdtemp(prefix="jkv-smollm2-hf-"))
         jkv.export_hf(params, folder, overwrite=True)
-        model, tok = qk.load_hf(folder, attn_implementation="sdpa")
-        peers.append(("kvpress", model, tok))
+        peers.append(("kvpress", Loaded(folder), None))
     rows = []
     for context in args.contexts:
         for task in args.tasks:
             items = needles(params, task, context, args.repeats, args.seed)
             for spec, ratio in settings(args.policies, args.ratios):
                 for mode in ("agnostic", "aware") if spec else ("full",):
-                    for who, model, tok in peers:
+                    for who, loaded, _ in peers:
                         if who == "kvpress" and spec is not None and q.kvpress_for(spec) is None:
                             continue
+                        if who == "kvpress":
+                            model, tok = loaded.for_spec(spec)
                         t0 = time.perf_counter()
                         if who == "jkv":
                             right, shown = jkv_needles(params, items, spec, ratio, mode)
@@ -218,9 +234,11 @@ def run(args, save=lambda rows: None) -> list[dict]:
             pairs = texts(params, context, args.texts, args.seed)
             full = {}
             for spec, ratio in settings(args.policies, args.ratios):
-                for who, model, tok in peers:
+                for who, loaded, _ in peers:
                     if who == "kvpress" and spec is not None and q.kvpress_for(spec) is None:
                         continue
+                    if who == "kvpress":
+                        model, tok = loaded.for_spec(spec)
                     if who == "jkv":
                         nll, conts = jkv_text(params, pairs, spec, ratio)
                     else:

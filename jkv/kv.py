@@ -56,6 +56,13 @@ def capacity_bucket(n: int) -> int:
     return -(-int(n) // step) * step
 
 
+def fine_bucket(n: int) -> int:
+    """n rounded up to an eighth of its power of two (at least 128): 8 sizes per octave, for
+    work that a power of two would pad by up to 2x (KVzip's replay, `jkv.replay`)."""
+    step = max(128, bucket(n) // 8)
+    return -(-max(int(n), 1) // step) * step
+
+
 def headroom(max_new_tokens: int) -> int:
     """Slots a full cache reserves for decoding `max_new_tokens` (0 for none)."""
     return 0 if max_new_tokens <= 0 else bucket(max_new_tokens)

@@ -156,8 +156,9 @@ def memory(
     report = stored(cfg, batch, plan.final, dtype, policy)
     weights_dtype = model.dtype if isinstance(model, Params) else cfg.dtype
     prefill_peak, decode_peak = peaks(
-        cfg, batch, plan, max_new_tokens, dtype, policy, weights_dtype=weights_dtype
-    )
+        cfg, batch, plan, max_new_tokens, dtype, policy, weights_dtype=weights_dtype,
+        prompt=seq_len,
+    )  # fmt: skip
     weights = (
         sum(x.nbytes for x in jax.tree.leaves(model.weights))
         if isinstance(model, Params)
@@ -208,6 +209,7 @@ def state_bytes(cfg: ModelConfig, batch: int, slots, dtype: str, policy, *, scor
 
 
 F32 = 4
+REQUEST_TOKENS = 32  # KVzip's replay request around its piece of the context, at most
 
 
 def peaks(
@@ -220,6 +222,7 @@ def peaks(
     *,
     weights_dtype: str = "float32",
     platform: str | None = None,
+    prompt: int | None = None,
 ):
     """(prefill peak, decode peak) in bytes, weights excluded: the live state plus the working set
     of the XLA backend's programs, as XLA:CPU's buffer assignment lays them out (measured with
@@ -234,6 +237,10 @@ def peaks(
                      a copy of its bits), plus an observing policy's window scores over all slots
                      (B*N*W*S floats, twice unless fp8);
       compression    7 (8 with attention mass) floats per slot of every layer and kv head;
+      replay         KVzip's (`prompt` tokens): beside the state, its copy cut to the prompt
+                     (P slots) and that copy with room for the R replayed tokens, the replay's
+                     prefill working set for R tokens at once, or a tile of 128 queries' scores,
+                     their exponentials and probabilities over P + R slots for every query head;
       eviction       6 of those, after each chunk of a policy that evicts while the prompt streams;
       decode step    one layer's V (and K, unless stored in float32) in float32 and two B*N*S
                      score arrays; StreamingLLM's keys re-rotated in float32 for every layer at
@@ -257,7 +264,7 @@ def peaks(
     if narrow:
         attention += stored(cfg, b, (s,), dtype, None).total
     if observes and not policy.wants_mass:
-        attention += (1 if fp8 else 2) * b * n * policy.window * s * F32
+        attention += (1 if fp8 else 2) * b * n * getattr(policy, "window", 0) * s * F32
     mlp = b * c * (3 * cfg.intermediate_size + 2 * cfg.hidden_size) * F32
     io = b * (c + 1 + cfg.vocab_size) * F32  # tokens, lengths, logits
     prefill = before + io + max(attention, mlp)
@@ -269,6 +276,16 @@ def peaks(
         after = state_bytes(cfg, b, plan.final, dtype, policy, scores=policy.wants_mass)
         select = (8 if policy.wants_mass else 7) * per_slot * s
         prefill = max(prefill, before + after + select)
+
+    if policy is not None and policy.needs_replay:
+        p = kvlib.fine_bucket(prompt or s)
+        r = kvlib.fine_bucket(min(prompt or s, policy.chunk) + REQUEST_TOKENS)
+        work = state_bytes(cfg, b, (p,) * nl, dtype, None, scores=True)
+        room = state_bytes(cfg, b, (p + r,) * nl, dtype, None, scores=True)
+        step = b * r * (2 * n * min(kvlib.ATTENTION_BLOCK, p + r) + 3 * n * h + nl * n * h) * F32
+        tile = 3 * b * n * 128 * (p + r) * F32
+        replay_mlp = b * r * (3 * cfg.intermediate_size + 2 * cfg.hidden_size) * F32
+        prefill = max(prefill, before + work + room + max(step, tile, replay_mlp))
 
     s = max(plan.final)
     layer_f32 = b * kh * s * h * F32

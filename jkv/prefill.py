@@ -24,6 +24,7 @@ from jkv.memory import prefill_plan, step_tokens
 from jkv.params import Params
 from jkv.policies.compress import compress
 from jkv.prompt import encode_prompts
+from jkv.replay import replay
 from jkv.sharding import shard_kv
 from jkv_models.config import ModelConfig
 
@@ -205,6 +206,8 @@ def prepare(
         budgets_after=budgets_after,
     )
     budgets = capacities = None
+    if kv_state is None and policy is not None and policy.needs_replay:
+        kv = replay(params, prompts, kv, policy, backend)  # KVzip: the replay scores the slots
     if kv_state is None and policy is not None:
         budgets = jnp.asarray(policy.row_budgets(lengths))
         capacities = plan.final

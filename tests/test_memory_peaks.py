@@ -39,9 +39,10 @@ def cfg():  # 3 layers, 6 query heads over 2 kv heads, float32 weights
         (jkv.StreamingLLM(budget=0.2), "bfloat16", 6000, 1, 256),
         (jkv.H2O(budget=0.3), "float32", 3000, 3, 512),
         (jkv.PyramidKV(budget=0.2), "float32", 5000, 1, 512),
+        (jkv.KVzip(budget=0.25), "float32", 3000, 2, 512),
     ],
     ids=["full-bf16-12K", "snapkv10-fp8-6K-b2", "streaming20-bf16-6K-c256", "h2o30-f32-3K-b3",
-         "pyramid20-f32-5K"],
+         "pyramid20-f32-5K", "kvzip25-f32-3K-b2"],
 )  # fmt: skip
 def test_predicted_peaks_are_within_10_percent_of_xla(cfg, policy, dtype, seq_len, batch, chunk):
     got = jkv.memory(cfg, batch, seq_len, kv_dtype=dtype, kv_policy=policy, chunk=chunk)

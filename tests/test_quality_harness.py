@@ -52,6 +52,10 @@ def test_policy_specs_name_fields_and_their_kvpress_peer():
     assert quality.policy_kw(None, 1.0) == {}
     # kvpress's SnapKV has the window and kernel (it pools by average only)
     assert quality.kvpress_for(spec) == ("snapkv", {"window_size": 16, "kernel_size": 11})
-    assert quality.kvpress_for("adakv") is None
+    assert quality.kvpress_for("adakv") == ("adakv", {})
+    assert quality.kvpress_for("kvzip:layerwise=true,max_factor=1.5") == (
+        "kvzip", {"layerwise": True})  # fmt: skip
+    assert quality.policy_spec("kvzip:max_factor=1.5")[1] == {"max_factor": 1.5}
+    assert quality.kvpress_for("efficache") is None
     with pytest.raises(ValueError, match="'window' in 'snapkv:window' must be key=value"):
         quality.policy_spec("snapkv:window")

@@ -26,6 +26,17 @@ def tiny(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def tiny_sdpa(tiny, tmp_path_factory):
+    """The same model with sdpa attention (the masking presses refuse eager)."""
+    import jkv
+
+    params, _, _ = tiny
+    folder = jkv.export_hf(params, tmp_path_factory.mktemp("kvpress-sdpa") / "hf")
+    model, tok = qk.load_hf(folder, attn_implementation="sdpa")
+    return params, model, tok
+
+
+@pytest.fixture(scope="module")
 def examples():
     return qk.haystack_examples(seed=0, n=2, context=120, facts=2)
 
@@ -80,8 +91,8 @@ def test_driver_matches_kvpress_pipeline(tiny, examples, name):
 
 
 @pytest.mark.parametrize("name", sorted(qk.PRESSES))
-def test_every_press_runs(tiny, examples, name):
-    _, model, tok = tiny
+def test_every_press_runs(tiny, tiny_sdpa, examples, name):
+    _, model, tok = tiny_sdpa if qk.ATTENTION.get(name) == "sdpa" else tiny
     for mode in qk.MODES:
         row = qk.accuracy(model, tok, examples, name, 0.5, mode=mode)
         assert "error" not in row, row

@@ -320,6 +320,11 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
                 f"kv_policy={policy.name!r}: the segment rebuild runs on the one-shot path "
                 f"(jkv.generate) only; the engine serves {SERVED}"
             )
+        if policy.needs_replay:
+            raise ValueError(
+                f"kv_policy={policy.name!r}: KVzip's replay of the context runs on the one-shot "
+                f"path (jkv.generate, jkv.prefill) only; the engine serves {SERVED}"
+            )
         window = getattr(policy, "window", 0)
         room = min(
             self.scheduler.chunk, self.scheduler.token_budget - self.scheduler.max_running + 1

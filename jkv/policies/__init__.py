@@ -2,7 +2,7 @@
 
 Pass one to `jkv.generate(..., kv_policy=SnapKV(budget=256))` or by name
 (`kv_policy="snapkv", kv_budget=256`). Names: full, streaming, snapkv, snapkv_segments, h2o,
-pyramidkv, adakv, efficache, quantile.
+pyramidkv, adakv, efficache, quantile, kvzip.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from jkv.policies.base import KVPolicy
 from jkv.policies.efficache import EffiCache
 from jkv.policies.h2o import H2O
 from jkv.policies.importance import token_importance
+from jkv.policies.kvzip import KVzip
 from jkv.policies.pyramidkv import PyramidKV
 from jkv.policies.quantile import Quantile
 from jkv.policies.segments import SnapKVSegments, segment_report
@@ -28,6 +29,7 @@ POLICIES: dict[str, type[KVPolicy] | None] = {
     "adakv": AdaKV,
     "efficache": EffiCache,
     "quantile": Quantile,
+    "kvzip": KVzip,
 }
 
 
@@ -70,6 +72,7 @@ __all__ = [
     "EffiCache",
     "H2O",
     "KVPolicy",
+    "KVzip",
     "PyramidKV",
     "Quantile",
     "SnapKV",

@@ -58,6 +58,7 @@ class Context:
     now: jax.Array  # [B] int32 position of each row's last token
     num_layers: int
     sensitivity: jax.Array | None = None  # [B, L, K] float32 (EffiCache)
+    layers: tuple | None = None  # every layer's LayerKV (KVzip ranks all layers together)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -69,6 +70,7 @@ class KVPolicy:
     observes: ClassVar[bool] = False  # fills `LayerKV.scores` during prefill
     evicts: ClassVar[bool] = False  # fixed size during decode (frees a slot per token)
     needs_sensitivity: ClassVar[bool] = False  # EffiCache: head sensitivity by jax.grad
+    needs_replay: ClassVar[bool] = False  # KVzip: scored by replaying the context (jkv.replay)
     raw_keys: ClassVar[bool] = False  # keys stored before RoPE, rotated by `cache_positions`
 
     budget: int | float | None = None

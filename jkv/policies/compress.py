@@ -56,6 +56,7 @@ def compress(
         now=state.next_position - 1,
         num_layers=len(state.layers),
         sensitivity=sensitivity,
+        layers=state.layers,
     )
     kernels = ops(backend)
     layers = []

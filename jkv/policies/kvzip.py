@@ -1,0 +1,140 @@
+"""KVzip (Kim et al., 2025, "KVzip: Query-Agnostic KV Cache Compression with Context
+Reconstruction"): a KV pair matters as much as the model needs it to repeat the context.
+
+After the prompt is prefilled, the model is fed a reconstruction request ("Repeat the previous
+context exactly.", the chat's turn change, then the context itself, teacher-forced) over the
+prompt's cache. Slot s of kv head k in layer l scores the most attention any query of that
+replay gives it, over the replay's queries and the G query heads of k:
+
+    score[l, k, s] = max_{t, g} softmax_s'(q[t, g] . k[s'] / sqrt(H))[s]
+
+the softmax running over the prompt's slots and the replay's own earlier tokens (causal). The
+question plays no part, so one compressed context can serve any question (the question-agnostic
+protocol). Long contexts are replayed in pieces of `chunk` tokens (each piece's request names the
+8 tokens before it, as the paper's code does). The first `sink` tokens are always kept.
+
+Selection: `layerwise=False` (the paper's and kvpress's default) ranks every (layer, kv head,
+slot) of the row together, so layers and heads that need more keep more; `layerwise=True` gives
+each layer `budget` slots per kv head, shared across its heads. Either way no head holds more than
+`max_factor * budget` slots (a head's physical capacity, as in Ada-KV): the kept set is the best
+`budget * heads` entries among each head's best `max_factor * budget`.
+
+The replay costs about one more prefill of the prompt (`jkv.reconstruct`). In the notation of
+the reference implementation (github.com/snu-mllab/KVzip, kvpress's `KVzipPress`), without its
+KVzip+ normalisation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from jkv import kv as kvlib
+from jkv.policies.base import KVPolicy, check_int, top_n, valid_slots
+
+REPEAT = "\n\nRepeat the previous context exactly."
+REPEAT_PART = "\n\nRepeat the part of the previous context exactly, starting with"
+OVERLAP = 8  # tokens of the piece before, named in a later piece's request
+
+
+def replay_scores(layer: kvlib.LayerKV, q, positions, n_new, tile: int = 128) -> jnp.ndarray:
+    """`[B, K, S]` float32: the most attention any of the replay's queries (q `[B, T, N, H]`
+    rotated, at `positions` `[B, T]`, the first `n_new` `[B]` real) gives each slot of
+    `layer` (which already holds the replay's own tokens), over the G heads of each kv head.
+    Slots the queries cannot see score 0. Queries go `tile` at a time (T a multiple of it, or
+    all at once), so the scores never fill a `[T, S]` array per head."""
+    b, t, n, h = q.shape
+    kh = layer.k.shape[1]
+    k, _ = kvlib.dequantised(layer, jnp.float32)
+    valid = valid_slots(layer)  # [B, K, S]
+    tile = tile if t % tile == 0 else t
+    qg = q.astype(jnp.float32).reshape(b, t // tile, tile, kh, n // kh, h)
+    pos = positions.reshape(b, t // tile, tile)
+    real = (jnp.arange(t) < n_new[:, None]).reshape(b, t // tile, tile)
+
+    def one(args):  # a tile of queries -> [B, K, S]
+        qt, pt, rt = args
+        z = jnp.einsum("btkgh,bksh->bkgts", qt, k, precision="highest") * (h**-0.5)
+        seen = valid[:, :, None, :] & (layer.positions[:, :, None, :] <= pt[:, None, :, None])
+        seen &= rt[:, None, :, None]  # [B, K, T, S]
+        z = jnp.where(seen[:, :, None], z, -jnp.inf)
+        top = jnp.max(z, axis=-1, keepdims=True)
+        p = jnp.exp(z - jnp.where(jnp.isfinite(top), top, 0.0))
+        p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+        return jnp.max(p, axis=(2, 3))
+
+    tiles = (jnp.moveaxis(qg, 1, 0), jnp.moveaxis(pos, 1, 0), jnp.moveaxis(real, 1, 0))
+    return jnp.max(jax.lax.map(one, tiles), axis=0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KVzip(KVPolicy):
+    """Keeps the slots the model attends to most while repeating the context."""
+
+    name: ClassVar[str] = "kvzip"
+    observes: ClassVar[bool] = True  # the state carries a score per slot
+    needs_replay: ClassVar[bool] = True  # scored by `jkv.reconstruct` after the prompt
+
+    budget: int | float = 256
+    sink: int = 4
+    layerwise: bool = False
+    max_factor: float = 2.0
+    chunk: int = 2048  # context tokens replayed per pass
+    replaying: bool = False  # the jit key of the replay pass (its queries score the slots)
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_int("sink", self.sink)
+        check_int("chunk", self.chunk, 16)
+        for name in ("layerwise", "replaying"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+        if (
+            isinstance(self.max_factor, bool)
+            or not isinstance(self.max_factor, int | float)
+            or self.max_factor < 1
+        ):
+            raise ValueError(f"max_factor={self.max_factor!r} must be a number >= 1")
+
+    def replay_key(self) -> KVzip:
+        """The jit key of the replay pass: its attention scores the prompt's slots."""
+        key = self.jit_key()
+        object.__setattr__(key, "replaying", True)
+        return key
+
+    def layer_budget(self, layer, num_layers, budget):
+        return math.ceil(self.max_factor * budget)
+
+    def observe(self, layer_index, layer, q, positions, n_new, mass, kernels):
+        if not self.replaying or layer.scores is None:  # the prompt's own prefill: nothing
+            return layer
+        votes = replay_scores(layer, q, positions, n_new)
+        return layer.replace(scores=jnp.maximum(layer.scores, votes))
+
+    def keep(self, layer_index, layer, ctx):
+        if ctx.layers is None:
+            raise ValueError("KVzip selects over every layer at once: compress with ctx.layers")
+        scores = jnp.stack([x.scores for x in ctx.layers], axis=1)  # [B, L, K, S]
+        b, nl, kh, s = scores.shape
+        budget = ctx.budgets  # [B]
+        valid = jnp.stack([valid_slots(x) for x in ctx.layers], axis=1)
+        positions = jnp.stack([x.positions for x in ctx.layers], axis=1)
+        sinks = valid & (positions < self.sink)
+        scores = jnp.where(sinks, jnp.inf, scores)
+        # A head holds at most `cap` slots: only each head's best `cap` are candidates.
+        cap = jnp.minimum(jnp.ceil(self.max_factor * budget).astype(jnp.int32),
+                          ctx.prompt_lengths)  # fmt: skip
+        candidates = top_n(
+            scores.reshape(b, nl * kh, s), valid.reshape(b, nl * kh, s), cap[:, None]
+        ).reshape(scores.shape)
+        if self.layerwise:
+            flat = scores[:, layer_index].reshape(b, 1, kh * s)
+            allowed = candidates[:, layer_index].reshape(flat.shape)
+            return top_n(flat, allowed, (budget * kh)[:, None]).reshape(b, kh, s)
+        flat = scores.reshape(b, 1, nl * kh * s)
+        chosen = top_n(flat, candidates.reshape(flat.shape), (budget * nl * kh)[:, None])
+        return chosen.reshape(scores.shape)[:, layer_index]
