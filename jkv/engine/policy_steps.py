@@ -1,5 +1,5 @@
-"""The rows a KV policy still shapes (mixed into `Engine`): a prompt its policy has not
-compressed yet, and the rings of evicting policies, run the gathering step (`runner.
+"""The rows a KV policy still shapes (mixed into `Engine`): the chunk that ends a prompt its
+policy compresses, and the rings of evicting policies, run the gathering step (`runner.
 paged_step`: each row's pages in a dense copy, whose rules the policies are written over); at a
 prompt's end the policy's selection is made physical (`_compress`)."""
 
@@ -18,11 +18,20 @@ sensitivity_pass = jax.jit(head_sensitivity, static_argnames=("config",))
 
 class PolicySteps:
     def _policy_key(self, r):
-        """The policy a prefill chunk feeds: the request's, until its prompt is compressed."""
+        """The policy a step of `r` runs with (None: the flattened step): an evicting policy's
+        in every step (a ring rotates keys on read and evicts); H2O's in every prompt chunk
+        (its mass accumulates over all the prompt's queries); any other policy's in the chunk
+        that ends the prompt only (its window votes and selection), the chunks before it being
+        a full cache's."""
         policy = self._rows[r.seq.request_id].req.policy
-        compressing = policy is not None and r.seq.prefilling and not r.seq.compressed
-        # an evicting policy rotates keys and evicts in every step
-        return policy.jit_key() if compressing or (policy and policy.evicts) else None
+        if policy is None:
+            return None
+        if policy.evicts:
+            return policy.jit_key()
+        ends = r.start + r.n == len(r.seq.prompt)
+        observing = ends or policy.wants_mass
+        compressing = r.seq.prefilling and not r.seq.compressed and observing
+        return policy.jit_key() if compressing else None
 
     def _run(self, scheduled, policy, kept) -> dict[str, int]:
         cfg = self.params.config

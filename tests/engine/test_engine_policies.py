@@ -101,6 +101,25 @@ def test_compression_frees_pages_per_head(demo):
     assert len(rest) == 2 and engine.pool.used_pages == 0
 
 
+def test_only_the_chunk_that_ends_a_prompt_gathers(demo):
+    """A SnapKV prompt of four chunks: the first three run on the flattened step (in place,
+    as the full cache's), only the one that ends the prompt runs the gathering step (its window
+    votes and selection); the tokens are generate's."""
+    gathered = []
+
+    class Recording(Engine):
+        def _run(self, scheduled, policy, kept):
+            gathered.extend((r.seq.request_id, r.start, r.n) for r in scheduled)
+            return super()._run(scheduled, policy, kept)
+
+    engine = Recording(demo, num_pages=200, page_size=4, token_budget=64, chunk=16)
+    rng = random.Random(4)
+    prompt = [rng.randrange(3, demo.config.vocab_size) for _ in range(64)]
+    [toks] = engine.generate([prompt], max_new_tokens=4, kv_policy=SNAPKV)
+    assert gathered == [("req-0", 48, 16)]
+    assert toks == alone(demo, prompt, max_new_tokens=4, kv_policy=SNAPKV)
+
+
 def test_a_compressed_request_may_start_from_cached_pages(demo):
     """A prompt whose first blocks are in the prefix cache: the policy's window still runs, the
     shared pages are copied, not written, and the tokens are generate's."""
