@@ -6,7 +6,8 @@ previous context exactly." and the chat template's turn change (the text that fo
 message: end of turn, the assistant's header; "\\n" for a model without a template), then the
 context. The context is the prompt after the chat's own prefix (the system turn and the user
 header), when the prompt starts with it; a context longer than the policy's `chunk` is replayed
-in pieces, each request naming the 8 tokens before its piece. Each pass adds one prefill's work.
+in pieces, each request naming the 8 tokens before its piece, each pass's softmax over its piece,
+the sinks and itself. Each pass adds one prefill's work.
 """
 
 from __future__ import annotations
@@ -45,20 +46,19 @@ def chat_frame(params) -> tuple[list[int], list[int]]:
     )
 
 
-def requests(params, prompt: list[int], chunk: int) -> list[list[int]]:
-    """The token ids of each replay pass of `prompt`: the request, then one piece of the
-    context (`chunk` tokens at most)."""
+def requests(params, prompt: list[int], chunk: int) -> list[tuple[list[int], int, int]]:
+    """Each replay pass of `prompt`: (its token ids: the request, then one piece of the
+    context, `chunk` tokens at most; the piece's first and end positions in the prompt)."""
     prefix, suffix = chat_frame(params)
     start = len(prefix) if prefix and prompt[: len(prefix)] == prefix else 0
-    context = prompt[start:]
     tok = params.tokenizer
     ask = [] if tok is None else tok.encode(REPEAT, add_special_tokens=False)
     ask_part = [] if tok is None else tok.encode(REPEAT_PART, add_special_tokens=False)
-    pieces = [context[i : i + chunk] for i in range(0, len(context), chunk)] or [[]]
     out = []
-    for i, piece in enumerate(pieces):
-        head = ask if i == 0 else ask_part + pieces[i - 1][-OVERLAP:]
-        out.append(head + suffix + piece)
+    for lo in range(start, max(len(prompt), start + 1), chunk):
+        hi = min(lo + chunk, len(prompt))
+        head = ask if lo == start else ask_part + prompt[max(start, lo - OVERLAP) : lo]
+        out.append((head + suffix + prompt[lo:hi], lo, hi))
     return out
 
 
@@ -73,8 +73,8 @@ def trimmed(layer: kvlib.LayerKV, s: int) -> kvlib.LayerKV:
 @functools.partial(jax.jit, static_argnames=("config", "backend", "policy"))
 def replay_pass(weights, config, state: kvlib.KVState, tokens, n_new, *, backend, policy):
     """One replay pass over a copy of `state` with room for `tokens` `[B, T]` (row b's first
-    `n_new[b]` real). Returns every layer's slot scores `[B, K, S]`, the state's own before it
-    kept where higher (`KVzip.observe`)."""
+    `n_new[b]` real), whose scores mark the slots the pass's softmax runs over (>= 0). Returns
+    every layer's slot scores `[B, K, S]` (`KVzip.observe`; -1 outside the pass)."""
     s = state.layers[0].capacity
     kv = kvlib.with_room(state, tokens.shape[1])
     _, kv = model_step(
@@ -86,26 +86,35 @@ def replay_pass(weights, config, state: kvlib.KVState, tokens, n_new, *, backend
 
 def replay(params, prompts: list[list[int]], state: kvlib.KVState, policy, backend: str):
     """`state` (the prompts prefilled, with a score per slot) with every slot scored by the
-    replay of its row's context (`jkv.policies.KVzip`). The passes run over the state cut to
-    the prompts' length (`jkv.kv.fine_bucket`), not its power-of-two capacity."""
+    replay of its row's context (`jkv.policies.KVzip`): a slot's score is the most any pass
+    gave it; slots no pass replays (the chat's prefix) score 0. The passes run over the state
+    cut to the prompts' length (`jkv.kv.fine_bucket`), not its power-of-two capacity."""
     per_row = [requests(params, p, policy.chunk) for p in prompts]
     key = policy.replay_key()
     capacity = state.layers[0].capacity
     s = min(capacity, fine_bucket(max(len(p) for p in prompts)))
-    work = state.replace(layers=tuple(trimmed(x, s) for x in state.layers))
+    work = [trimmed(x, s) for x in state.layers]
+    best = [jnp.zeros(x.lengths.shape + (s,), jnp.float32) for x in work]
     for i in range(max(len(r) for r in per_row)):
-        batch = [r[i] if i < len(r) else [] for r in per_row]
-        tokens = np.zeros((len(prompts), fine_bucket(max(len(x) for x in batch))), np.int32)
-        for b, ids in enumerate(batch):
+        batch = [r[i] if i < len(r) else ([], 0, 0) for r in per_row]
+        tokens = np.zeros((len(prompts), fine_bucket(max(len(x[0]) for x in batch))), np.int32)
+        for b, (ids, _, _) in enumerate(batch):
             tokens[b, : len(ids)] = ids
-        n_new = np.array([len(x) for x in batch], np.int32)
-        scores = replay_pass(params.weights, params.config, work, tokens, n_new,
-                             backend=backend, policy=key)  # fmt: skip
-        work = work.replace(
-            layers=tuple(x.replace(scores=v) for x, v in zip(work.layers, scores, strict=True))
+        n_new = np.array([len(x[0]) for x in batch], np.int32)
+        lo = jnp.asarray([x[1] for x in batch], jnp.int32)[:, None, None]
+        hi = jnp.asarray([x[2] for x in batch], jnp.int32)[:, None, None]
+        # The slots this pass's softmax runs over score 0 going in, the others -1.
+        part = [(x.positions < policy.sink) | ((x.positions >= lo) & (x.positions < hi))
+                for x in work]  # fmt: skip
+        layers = tuple(
+            x.replace(scores=jnp.where(m, 0.0, -1.0)) for x, m in zip(work, part, strict=True)
         )
+        scores = replay_pass(params.weights, params.config, state.replace(layers=layers),
+                             tokens, n_new, backend=backend, policy=key)  # fmt: skip
+        best = [jnp.maximum(b, v) for b, v in zip(best, scores, strict=True)]
     pad = ((0, 0), (0, 0), (0, capacity - s))
     return state.replace(
-        layers=tuple(x.replace(scores=jnp.pad(w.scores, pad))
-                     for x, w in zip(state.layers, work.layers, strict=True))
-    )  # fmt: skip
+        layers=tuple(
+            x.replace(scores=jnp.pad(v, pad)) for x, v in zip(state.layers, best, strict=True)
+        )
+    )

@@ -8,10 +8,13 @@ replay gives it, over the replay's queries and the G query heads of k:
 
     score[l, k, s] = max_{t, g} softmax_s'(q[t, g] . k[s'] / sqrt(H))[s]
 
-the softmax running over the prompt's slots and the replay's own earlier tokens (causal). The
-question plays no part, so one compressed context can serve any question (the question-agnostic
-protocol). Long contexts are replayed in pieces of `chunk` tokens (each piece's request names the
-8 tokens before it, as the paper's code does). The first `sink` tokens are always kept.
+the softmax running over the piece of the context being replayed, the `sink` first tokens and
+the replay's own earlier tokens (causal), as kvpress computes it. The question plays no part, so
+one compressed context can serve any question (the question-agnostic protocol). Long contexts
+are replayed in pieces of `chunk` tokens (each piece's request names the 8 tokens before it, as
+the paper's code does). The context is the prompt after the chat's own prefix (system turn, user
+header): the prefix is never replayed and scores 0, but for the `sink` first tokens, which are
+always kept.
 
 Selection: `layerwise=False` (the paper's and kvpress's default) ranks every (layer, kv head,
 slot) of the row together, so layers and heads that need more keep more; `layerwise=True` gives
@@ -45,12 +48,14 @@ def replay_scores(layer: kvlib.LayerKV, q, positions, n_new, tile: int = 128) ->
     """`[B, K, S]` float32: the most attention any of the replay's queries (q `[B, T, N, H]`
     rotated, at `positions` `[B, T]`, the first `n_new` `[B]` real) gives each slot of
     `layer` (which already holds the replay's own tokens), over the G heads of each kv head.
-    Slots the queries cannot see score 0. Queries go `tile` at a time (T a multiple of it, or
-    all at once), so the scores never fill a `[T, S]` array per head."""
+    The softmax runs over the slots whose `layer.scores` is >= 0 (the pass's piece of the
+    context, the sinks and the replay itself: kvpress's `_compute_cross_attention`); the others
+    score -1. Queries go `tile` at a time (T a multiple of it, or all at once), so the scores
+    never fill a `[T, S]` array per head."""
     b, t, n, h = q.shape
     kh = layer.k.shape[1]
     k, _ = kvlib.dequantised(layer, jnp.float32)
-    valid = valid_slots(layer)  # [B, K, S]
+    part = valid_slots(layer) & (layer.scores >= 0)  # [B, K, S]
     tile = tile if t % tile == 0 else t
     qg = q.astype(jnp.float32).reshape(b, t // tile, tile, kh, n // kh, h)
     pos = positions.reshape(b, t // tile, tile)
@@ -59,7 +64,7 @@ def replay_scores(layer: kvlib.LayerKV, q, positions, n_new, tile: int = 128) ->
     def one(args):  # a tile of queries -> [B, K, S]
         qt, pt, rt = args
         z = jnp.einsum("btkgh,bksh->bkgts", qt, k, precision="highest") * (h**-0.5)
-        seen = valid[:, :, None, :] & (layer.positions[:, :, None, :] <= pt[:, None, :, None])
+        seen = part[:, :, None, :] & (layer.positions[:, :, None, :] <= pt[:, None, :, None])
         seen &= rt[:, None, :, None]  # [B, K, T, S]
         z = jnp.where(seen[:, :, None], z, -jnp.inf)
         top = jnp.max(z, axis=-1, keepdims=True)
@@ -68,7 +73,7 @@ def replay_scores(layer: kvlib.LayerKV, q, positions, n_new, tile: int = 128) ->
         return jnp.max(p, axis=(2, 3))
 
     tiles = (jnp.moveaxis(qg, 1, 0), jnp.moveaxis(pos, 1, 0), jnp.moveaxis(real, 1, 0))
-    return jnp.max(jax.lax.map(one, tiles), axis=0)
+    return jnp.where(part, jnp.max(jax.lax.map(one, tiles), axis=0), -1.0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -112,8 +117,7 @@ class KVzip(KVPolicy):
     def observe(self, layer_index, layer, q, positions, n_new, mass, kernels):
         if not self.replaying or layer.scores is None:  # the prompt's own prefill: nothing
             return layer
-        votes = replay_scores(layer, q, positions, n_new)
-        return layer.replace(scores=jnp.maximum(layer.scores, votes))
+        return layer.replace(scores=replay_scores(layer, q, positions, n_new))
 
     def keep(self, layer_index, layer, ctx):
         if ctx.layers is None:

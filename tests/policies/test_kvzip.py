@@ -74,13 +74,47 @@ def test_replay_scores_equal_kvpress(demo_hf):
     np.testing.assert_allclose(ours, kvp, atol=1e-7, rtol=1e-4)
 
 
-def test_the_request_follows_the_chat_template(tiny_params):
+def test_replay_scores_equal_kvpress_on_a_chat_in_pieces(tmp_path):
+    """A chat model (a tiny GGUF with ChatML): the chat's prefix is not replayed and scores 0,
+    the context is replayed in pieces of 32 tokens, each pass's softmax over its piece, the
+    sinks and itself; every slot past the sinks scores what kvpress's KVzipPress gives it."""
+    import kvpress
+    import quality_kvpress as qk
+    import torch
+    from tiny_gguf import BPE_VOCAB, write_tiny_gguf
+    from tiny_hf import write_tiny_checkpoint
+    from transformers import DynamicCache
+
+    src = write_tiny_checkpoint(tmp_path / "src", "llama", vocab_size=BPE_VOCAB)
+    params = jkv.load(write_tiny_gguf(tmp_path / "m.gguf", src, "llama"))
+    model, _ = qk.load_hf(jkv.export_hf(params, tmp_path / "hf"), attn_implementation="sdpa")
+    prefix, _ = chat_frame(params)
+    body = params.tokenizer.encode(" Magic numbers hide in text, 41729 among them." * 2,
+                                   add_special_tokens=False)  # fmt: skip
+    ids = prefix + body
+    assert len(prefix) > 2 and 64 < len(body) <= 128  # several pieces
+    got = []
+
+    class Capture(kvpress.KVzipPress):
+        def compress_post(self, model):
+            got.append(self.score_val[:, 0].float().numpy().copy())
+            super().compress_post(model)
+
+    with torch.no_grad(), Capture(compression_ratio=0.5, chunk_size=32, n_sink=2)(model):
+        model(input_ids=torch.tensor([ids]), past_key_values=DynamicCache())
+    state = replayed(params, [ids], KVzip(budget=0.5, chunk=32, sink=2))
+    ours = np.stack([np.asarray(x.scores[0, :, : len(ids)]) for x in state.layers])
+    assert (ours[:, :, 2 : len(prefix)] == 0).all() and (ours[:, :, len(prefix) :] > 0).all()
+    np.testing.assert_allclose(ours[:, :, 2:], got[0][:, :, 2:], atol=1e-7, rtol=1e-4)
+
+
+def test_the_request_follows_the_chat_template():
     """A chat model's replay request: the repeat instruction, the template's turn change, then
     the context without the chat's own prefix; long contexts in pieces naming the 8 tokens
     before them."""
-    params = jkv.load("smollm2") if _smollm2() else None
-    if params is None:
+    if not _smollm2():
         pytest.skip("SmolLM2 is not installed (make installs it)")
+    params = jkv.load("smollm2")
     tok = params.tokenizer
 
     def text(ids):
@@ -91,18 +125,18 @@ def test_the_request_follows_the_chat_template(tiny_params):
     assert text(suffix) == "<|im_end|>\n<|im_start|>assistant\n"
     body = tok.encode(" The quick brown fox jumps over the lazy dog." * 40,
                       add_special_tokens=False)  # fmt: skip
+    n = len(prefix)
     passes = requests(params, prefix + body, chunk=128)
     assert len(passes) == math.ceil(len(body) / 128)
-    first = text(passes[0])
-    assert first.startswith("\n\nRepeat the previous context exactly.<|im_end|>")
-    assert passes[0][-128:] == body[:128]
-    assert passes[1][-128:] == body[128:256]
-    assert text(passes[1]).startswith("\n\nRepeat the part of the previous context")
-    assert body[120:128] == passes[1][len(tok.encode(
-        "\n\nRepeat the part of the previous context exactly, starting with",
-        add_special_tokens=False)):][:8]  # fmt: skip
+    assert [(lo, hi) for _, lo, hi in passes[:2]] == [(n, n + 128), (n + 128, n + 256)]
+    first, second = passes[0][0], passes[1][0]
+    assert text(first).startswith("\n\nRepeat the previous context exactly.<|im_end|>")
+    assert first[-128:] == body[:128] and second[-128:] == body[128:256]
+    ask = tok.encode("\n\nRepeat the part of the previous context exactly, starting with",
+                     add_special_tokens=False)  # fmt: skip
+    assert second[: len(ask) + 8] == ask + body[120:128]
     # A prompt that does not start with the chat's prefix is replayed whole.
-    assert requests(params, body[:50], chunk=128)[0][-50:] == body[:50]
+    assert requests(params, body[:50], chunk=128) == [(passes[0][0][:-128] + body[:50], 0, 50)]
 
 
 def _smollm2() -> bool:
