@@ -31,7 +31,7 @@ Settings side by side (kvpress 0.5.5 defaults are used unless `--match-jkv`):
 | pyramidkv | PyramidKVPress beta=20, window_size=64, kernel_size=5; uniform SnapKV budgets unless the layer minimum `kept / beta` reaches `window_size` (so below ~1280 kept tokens) | PyramidKV beta=20, linear layer factors from 2b/(b+1) to 2/(b+1) |
 | knorm | KnormPress: keeps the lowest key L2 norms | Quantile keep_norms="high" (L1, seed 2.3); "low" is Knorm's rule |
 | adakv | AdaKVPress(SnapKVPress window_size=64, kernel_size=5), alpha_safeguard=0.2; heads share a layer's budget (masked, not removed) | AdaKV window=32, kernel=7, alpha_safeguard=0.2, a head capped at 2x the budget |
-| kvzip | KVzipPress n_sink=4, layerwise=False, chunk_size=2048: the context replayed, max attention per slot, ranked over all layers and heads (masked, not removed) | KVzip sink=4, layerwise=False, chunk=2048, a head capped at 2x the budget |
+| kvzip | KVzipPress n_sink=4, layerwise=False, chunk_size=2048: the context replayed, max attention per slot, ranked over all layers and heads (masked, not removed) | KVzip sink=4, layerwise=False, chunk=2048 (the same scores; a head keeps up to its whole prompt) |
 | expected_attention | ExpectedAttentionPress n_future_positions=512, n_sink=4, covariance and value norms on | none |
 
     python benchmarks/quality_kvpress.py --hf DIR --examples 20 --context 256 [--match-jkv]

@@ -198,7 +198,7 @@ def test_prefill_keeps_what_the_replay_ranks_highest(tiny_params):
     params = tiny_params("llama")
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, params.config.vocab_size, size=n).tolist() for n in (40, 70)]
-    policy = KVzip(budget=0.25, sink=3)
+    policy = KVzip(budget=0.25, sink=3, max_factor=2.0)
     state = jkv.prefill(params, prompts, kv_policy=policy)
     cfg = params.config
     for row, p in enumerate(prompts):
@@ -235,7 +235,7 @@ def test_fine_bucket():
 @pytest.mark.parametrize(
     "kw, match",
     [
-        (dict(max_factor=0.5), "max_factor=0.5 must be a number >= 1"),
+        (dict(max_factor=0.5), "max_factor=0.5 must be None or a number >= 1"),
         (dict(layerwise="yes"), "layerwise='yes' must be True or False"),
         (dict(chunk=8), "chunk=8 must be an integer >= 16"),
         (dict(sink=-1), "sink=-1 must be an integer >= 0"),
