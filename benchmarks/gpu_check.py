@@ -392,6 +392,10 @@ def run_checks(interpret: bool, seed: int, only=()) -> list[dict]:
         (name, lambda d=dtype, w=window: ragged.check_ragged(rng, interpret, d, w), tol)
         for name, dtype, window, tol in ragged.CASES
     ]
+    cases += [
+        (name, lambda d=dtype: ragged.check_votes(rng, interpret, d), tol)
+        for name, dtype, tol in ragged.VOTE_CASES
+    ]
     results = []
     for name, fn, tol in cases:
         if only and not any(word in name for word in only):

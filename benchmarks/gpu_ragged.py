@@ -99,6 +99,24 @@ def check_ragged(rng, interpret, dtype, window=None):
     return dict(err=err, finite=bool(np.isfinite(got).all()))
 
 
+def check_votes(rng, interpret, dtype):
+    """`paged_window_scores` (the engine's selection: SnapKV's votes of each row's last tokens
+    through its page table) against its float32 reference, max-pooled."""
+    kh, g, h, page = (2, 2, 64, 16) if interpret else (8, 4, 128, 16)
+    q_lens = [8, 32, 1, 16] if interpret else [32] * 8 + [64] * 4
+    ctx = [40, 90, 17, 100] if interpret else [3000] * 8 + [8000] * 4
+    a = make_ragged(rng, q_lens, ctx, kh, g, h, page, dtype, gaps=False)
+    names = ("q", "k_pages", "page_table", "lengths", "q_start", "q_len", "q_positions",
+             "pos_pages", "k_scale")  # fmt: skip
+    b = {n: a[n] for n in names if n in a}
+    got = pk.paged_window_scores(**b, pool="max", kernel_size=7, interpret=interpret)
+    want = np.asarray(pk.paged_window_scores_reference(**b, pool="max", kernel_size=7))
+    got = np.asarray(got, np.float64)
+    err = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+    return dict(err=err, finite=bool(np.isfinite(got).all()))
+
+
+VOTE_CASES = [("paged_votes_bf16", "bf16", 2e-2), ("paged_votes_fp8", "fp8", 2e-2)]
 CASES = [  # (name, dtype, window, tolerance)
     ("ragged_paged_f32", "f32", None, 1e-4),
     ("ragged_paged_bf16", "bf16", None, 2e-2),

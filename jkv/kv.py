@@ -121,7 +121,8 @@ class LayerKV:
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[2]
+        # positions, not k: a view of scores and positions alone (`jkv.engine.select`) has none
+        return self.positions.shape[2]
 
     def replace(self, **changes) -> LayerKV:
         return dataclasses.replace(self, **changes)

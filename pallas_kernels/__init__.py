@@ -41,6 +41,11 @@ from jkv_kernels.paged_decode_attention import (
     paged_decode_attention,
     paged_decode_attention_reference,
 )
+from jkv_kernels.paged_window_scores import (
+    paged_window_scores,
+    paged_window_scores_reference,
+    paged_window_scores_xla,
+)
 from jkv_kernels.prefill_attention import prefill_attention, prefill_attention_reference
 from jkv_kernels.prefill_attention_blocked import (
     prefill_attention_blocked,
@@ -69,6 +74,9 @@ __all__ = [
     "gather_pages",
     "paged_decode_attention",
     "paged_decode_attention_reference",
+    "paged_window_scores",
+    "paged_window_scores_reference",
+    "paged_window_scores_xla",
     "prefill_attention",
     "prefill_attention_blocked",
     "prefill_attention_mass_blocked",

@@ -76,6 +76,26 @@ def check_block(name: str, value: int, floor: int = 1) -> None:
         raise ValueError(f"{name}={value} must be a power of two >= {floor}")
 
 
+def paged_blocks(q_shape, pages_shape, q_tile: int, pages_per_block: int | None) -> int:
+    """The key block (slots) of a kernel over the paged pool, `pages_per_block` pages of
+    `pages_shape` `[P, page_size, H]` (None: 64 slots' worth) for queries `q_shape` `[T, N, H]`
+    tiled by `q_tile`; ValueError naming what Triton's rules refuse."""
+    h, page_size = q_shape[2], pages_shape[1]
+    if not is_pow2(h) or h < MIN_DOT:
+        raise ValueError(f"{q_shape=}: H={h} must be a power of two >= {MIN_DOT}")
+    if not is_pow2(page_size):
+        raise ValueError(f"{pages_shape=}: page_size={page_size} must be a power of two")
+    check_block("q_tile", q_tile)
+    if pages_per_block is None:
+        pages_per_block = max(1, 64 // page_size)
+    block_s = pages_per_block * page_size
+    if not is_pow2(block_s) or block_s < MIN_DOT:
+        raise ValueError(
+            f"{pages_per_block=} * {page_size=} = {block_s} must be a power of two >= {MIN_DOT}"
+        )
+    return block_s
+
+
 def dot(a, b, *, trans_b: bool = False):
     """a @ b (or a @ b.T) accumulated in float32; float32 inputs stay IEEE (no TF32)."""
     precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None

@@ -438,18 +438,7 @@ def ragged_paged_attention(
     t, n, h = q.shape
     p, page_size, _ = k_pages.shape
     r, kh, m = page_table.shape
-    if not bk.is_pow2(h) or h < bk.MIN_DOT:
-        raise ValueError(f"{q.shape=}: H={h} must be a power of two >= {bk.MIN_DOT}")
-    if not bk.is_pow2(page_size):
-        raise ValueError(f"{k_pages.shape=}: page_size={page_size} must be a power of two")
-    bk.check_block("q_tile", q_tile)
-    if pages_per_block is None:
-        pages_per_block = max(1, 64 // page_size)
-    block_s = pages_per_block * page_size
-    if not bk.is_pow2(block_s) or block_s < bk.MIN_DOT:
-        raise ValueError(
-            f"{pages_per_block=} * {page_size=} = {block_s} must be a power of two >= {bk.MIN_DOT}"
-        )
+    block_s = bk.paged_blocks(q.shape, k_pages.shape, q_tile, pages_per_block)
     fp8 = k_pages.dtype == bk.FP8
     if fp8 != (k_scale is not None) or fp8 != (v_scale is not None):
         raise ValueError("FP8 storage needs both scales, other storage neither")

@@ -132,7 +132,7 @@ def _validate(q, k, lengths, pool, kernel_size):
         raise ValueError(f"{kernel_size=}: expected an odd int >= 1 (same-size pooling)")
 
 
-def _pool(score, lengths, pool, kernel_size):
+def pool_scores(score, lengths, pool, kernel_size):
     """score [B, K, S] (0 past the length) -> pooled, same size, 0 past the length."""
     r = kernel_size // 2
     pad = [(0, 0), (0, 0), (r, r)]
@@ -250,7 +250,7 @@ def window_scores(
         interpret=interpret,
         name="jkv_window_probs",
     )(q_rows, k, lengths, m_max, lsum)
-    return _pool(part.sum(axis=2), lengths, pool, kernel_size)
+    return pool_scores(part.sum(axis=2), lengths, pool, kernel_size)
 
 
 @functools.partial(jax.jit, static_argnames=("pool", "kernel_size", "sm_scale"))
@@ -273,4 +273,4 @@ def window_scores_reference(q, k, lengths, *, pool="avg", kernel_size=7, sm_scal
     e = jnp.where(keep, jnp.exp(z - jnp.where(m == -jnp.inf, 0.0, m)), 0.0)
     lsum = e.sum(axis=-1, keepdims=True)
     score = (e / jnp.where(lsum > 0, lsum, 1.0)).sum(axis=(2, 3))  # [B, K, S]
-    return _pool(score, lengths, pool, kernel_size)
+    return pool_scores(score, lengths, pool, kernel_size)

@@ -76,7 +76,7 @@ def test_compressed_storage_stays_within_a_stated_bound(tiny_params, kv_dtype):
 GPU_CHECKS = ["decode_fp8_native_rope_window_mass", "decode_fp8_bias_lse", "decode_bf16_mass",
               "lowrank", "segment_merge", "quantize", "compact", "window_scores_max",
               "prefill_fp8_rope_window", "prefill_mass_bf16_keep", "paged_decode_fp8",
-              "ragged_paged_fp8_window"]  # fmt: skip
+              "ragged_paged_fp8_window", "paged_votes_fp8"]  # fmt: skip
 
 
 def test_gpu_check_cpu_mode(tmp_path):
@@ -90,8 +90,8 @@ def test_gpu_check_cpu_mode(tmp_path):
     names = {c["name"] for c in checks}
     assert {"prefill_fp8_rope_window", "prefill_mass_bf16_keep", "paged_decode_fp8"} <= names
     assert {"quantize", "quantize_append", "paged_decode_bf16_mass"} <= names
-    assert "ragged_paged_fp8_window" in names
-    assert all(c["ok"] for c in checks) and len(checks) == 15, sorted(names)
+    assert {"ragged_paged_fp8_window", "paged_votes_fp8"} <= names
+    assert all(c["ok"] for c in checks) and len(checks) == 16, sorted(names)
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral"])

@@ -21,6 +21,8 @@ from jkv_kernels import (
     kv_compact,
     kv_compact_reference,
     lowrank_attention,
+    paged_window_scores,
+    paged_window_scores_xla,
     prefill_attention,
     prefill_attention_blocked,
     prefill_attention_mass,
@@ -55,6 +57,8 @@ class Ops:
     lowrank_attention: Callable | None
     # the engine's flattened step: a ragged batch of queries over the paged pool
     ragged_attention: Callable = ragged_paged_attention_xla
+    # the engine's selection: the window votes of a few queries per row, over the pool
+    paged_window_scores: Callable = paged_window_scores_xla
 
 
 def _kernels(name: str, interpret: bool) -> Ops:
@@ -72,6 +76,7 @@ def _kernels(name: str, interpret: bool) -> Ops:
         decode_attention=k(decode_attention),
         lowrank_attention=k(lowrank_attention),
         ragged_attention=k(ragged_paged_attention),
+        paged_window_scores=k(paged_window_scores),
     )
 
 

@@ -107,12 +107,16 @@ def write_tokens(pool, at, k, v, positions, kv_dtype: str):
 
 
 def make_paged_attention(
-    state: dict, rows: PagedRows, *, config, backend: str, kv_dtype: str, mesh=None
-):
+    state: dict, rows: PagedRows, *, config, backend: str, kv_dtype: str, mesh=None,
+    write: bool = True,
+):  # fmt: skip
     """The per-layer callable the model calls on the flattened step: rotate q and k at their
     positions, write k and v into the pool `state["pool"]` (replaced by the updated pool), attend
     through the rows' page tables. `state` carries the pool from layer to layer. `mesh`: the
-    pool is sharded over kv heads on its "model" axis; each device runs its own heads."""
+    pool is sharded over kv heads on its "model" axis; each device runs its own heads.
+    `write=False`: the tokens are in the pool already (a second pass over some of them, the
+    engine's selection); nothing is written, and each layer's rotated queries `[T, N, H]` are
+    appended to `state["q"]`."""
     kernels = ops(backend)
     inv_freq = jnp.asarray(config.inv_freq())
 
@@ -123,8 +127,9 @@ def make_paged_attention(
         d = 0 if mesh is None else jax.lax.axis_index("model")  # this device's heads, pages
         heads = layer * config.num_kv_heads + d * k.shape[1] + jnp.arange(k.shape[1])
         first = d * pool["k"].shape[0]
-        at = token_pages(pool, rows, heads, first)
-        pool = write_tokens(pool, at, k, v[0], positions[0], kv_dtype)
+        if write:
+            at = token_pages(pool, rows, heads, first)
+            pool = write_tokens(pool, at, k, v[0], positions[0], kv_dtype)
         table, lengths, gaps = head_layout(pool, rows, heads, first)
         out = kernels.ragged_attention(
             q, pool["k"], pool["v"], table, lengths, rows.q_start, rows.q_len, positions[0],
@@ -135,6 +140,8 @@ def make_paged_attention(
         return out[None], pool
 
     def attention(layer, q, k, v, positions, cache):
+        if not write:
+            state.setdefault("q", []).append(rope(q, positions[:, :, None], inv_freq)[0])
         if mesh is None:
             out, state["pool"] = local(layer, q, k, v, positions, state["pool"], rows)
             return out, cache

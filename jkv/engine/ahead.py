@@ -42,11 +42,15 @@ class AsyncSteps:
         )
 
     def _overlaps(self, plan) -> bool:
-        """Whether `plan` can run ahead of the host: every row on the flattened step."""
+        """Whether `plan` can run ahead of the host: every row on the flattened step, none
+        ending a prompt its policy compresses (the compaction needs the host)."""
         return (
             self.async_scheduling
             and self.lockstep is None
-            and all(self._policy_key(r) is None for r in plan.scheduled)
+            and all(
+                self._policy_key(r) is None and not self._ends_compression(r)
+                for r in plan.scheduled
+            )
         )
 
     def _ahead(self, plan) -> Ahead:

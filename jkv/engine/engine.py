@@ -23,10 +23,10 @@ requests recompute), books that no longer add up are rebuilt. Only when that fai
 engine unhealthy (`healthy` False): every request is refused from then on.
 
 A KV policy that selects once, after the prompt (SnapKV, PyramidKV, Ada-KV, EffiCache,
-Quantile), is a per-request setting: the step that ends a prompt runs with the policy (its window
-votes and its selection; EffiCache's head sensitivity comes from one gradient pass over the
-whole prompt just before), then each head's kept tokens move into the fewest pages and the rest
-go back to the pool. StreamingLLM and H2O compress the same way at the prompt's end, then keep a
+Quantile), is a per-request setting: the prompt runs on the flattened step like a full cache's,
+then the policy selects over the pool (`jkv.engine.select`: its window votes through the page
+table; EffiCache's head sensitivity comes from one gradient pass over the whole prompt), then
+each head's kept tokens move into the fewest pages and the rest go back to the pool. StreamingLLM and H2O compress the same way at the prompt's end, then keep a
 ring of their budget's slots: each new token overwrites the oldest non-sink one (StreamingLLM)
 or the lightest by attention mass outside the recent window (H2O, whose mass per stored token
 lives in the pool: `Engine(attention_mass=True)`). The segment rebuild stays on the one-shot
@@ -438,18 +438,24 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
         self._start(plan)
         sampled: dict[str, int] = {}
         kept: dict[str, tuple] = {}  # what a policy keeps of prompts that end in this step
-        flat, groups = [], {}  # rows with no policy this step; the others by the policy
+        flat, groups = [], {}  # rows on the flattened step; the rings by their policy
+        ending = {}  # rows whose prompt a select-once policy compresses after the step
         for r in plan.scheduled:
             key = self._policy_key(r)
             if key is None:
                 flat.append(r)
+                if self._ends_compression(r):
+                    policy = self._rows[r.seq.request_id].req.policy
+                    ending.setdefault(policy.jit_key(), []).append(r)
                 continue
-            # One token per row (a decode step) unless a policy is still to compress the
-            # prompt: that step must be a prompt step (SnapKV votes; a ring appends, not evicts)
+            # One token per row (a decode step) unless a ring is still to take its prompt:
+            # that step must be a prompt step (a ring appends, not evicts)
             one = r.n == 1 and not (r.seq.compresses and not r.seq.compressed)
             groups.setdefault((one, key), []).append(r)
         if flat:
             sampled.update(self._run_flat(order(flat)))
+        for key, rows in ending.items():
+            self._select(rows, key, kept)
         for (_, key), rows in groups.items():
             sampled.update(self._run(rows, key, kept))
         # before any frees: prefix-cache hits and pages held

@@ -1,7 +1,8 @@
-"""The rows a KV policy still shapes (mixed into `Engine`): the chunk that ends a prompt its
-policy compresses, and the rings of evicting policies, run the gathering step (`runner.
-paged_step`: each row's pages in a dense copy, whose rules the policies are written over); at a
-prompt's end the policy's selection is made physical (`_compress`)."""
+"""The rows a KV policy shapes (mixed into `Engine`): a prompt a select-once policy compresses
+runs on the flattened step, then its selection runs over the pool (`_select`, `jkv.engine.
+select`) and is made physical (`_compress`); the rings of evicting policies run the gathering
+step (`runner.paged_step`: each row's pages in a dense copy, whose rules the policies are
+written over)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import numpy as np
 
 from jkv import kv as kvlib
 from jkv.engine.runner import compact, pack, paged_step, write_mass, write_pages
+from jkv.engine.select import pack_select, paged_select
 from jkv.policies.efficache import head_sensitivity
 from jkv.sharding import to_host
 
@@ -18,20 +20,45 @@ sensitivity_pass = jax.jit(head_sensitivity, static_argnames=("config",))
 
 class PolicySteps:
     def _policy_key(self, r):
-        """The policy a step of `r` runs with (None: the flattened step): an evicting policy's
-        in every step (a ring rotates keys on read and evicts); H2O's in every prompt chunk
-        (its mass accumulates over all the prompt's queries); any other policy's in the chunk
-        that ends the prompt only (its window votes and selection), the chunks before it being
-        a full cache's."""
+        """The policy a step of `r` runs the gathering step with (None: the flattened step):
+        an evicting policy's, in every step (a ring rotates keys on read and evicts)."""
         policy = self._rows[r.seq.request_id].req.policy
-        if policy is None:
-            return None
-        if policy.evicts:
-            return policy.jit_key()
-        ends = r.start + r.n == len(r.seq.prompt)
-        observing = ends or policy.wants_mass
-        compressing = r.seq.prefilling and not r.seq.compressed and observing
-        return policy.jit_key() if compressing else None
+        return policy.jit_key() if policy is not None and policy.evicts else None
+
+    def _ends_compression(self, r) -> bool:
+        """Whether `r`'s step ends a prompt a select-once policy compresses (its selection
+        follows the step, `_select`)."""
+        policy = self._rows[r.seq.request_id].req.policy
+        return (
+            policy is not None
+            and not policy.evicts
+            and not r.seq.compressed
+            and r.start + r.n == len(r.seq.prompt)
+        )
+
+    def _select(self, ending, policy, kept) -> None:
+        """The selection of `policy` (a jit key) over the pool for rows whose prompt ended in
+        the step just run (`jkv.engine.select`); what each keeps goes to `kept` for
+        `_compress`."""
+        window = getattr(policy, "window", 0) if policy.observes else 0
+        rows, tokens, positions = pack_select(
+            ending, self.rows, self.scheduler.group, self.pool.page_size, window
+        )
+        b = len(rows.held)
+        budgets = np.zeros((b,), np.int32)
+        budgets[: len(ending)] = [
+            self._rows[r.seq.request_id].req.policy.budget_tokens(len(r.seq.prompt)) for r in ending
+        ]
+        sensitivity = None
+        if policy.needs_sensitivity:
+            sensitivity = self._sensitivity(ending, range(len(ending)), b)
+        src, counts = paged_select(
+            self.params.weights, self.params.config, self.device, rows, tokens, positions,
+            budgets, sensitivity, backend=self.backend, dtype=self.kv_dtype, policy=policy,
+        )  # fmt: skip
+        counts = to_host(counts)
+        for i, r in enumerate(ending):
+            kept[r.seq.request_id] = (src, i, counts[i].reshape(-1).tolist())
 
     def _run(self, scheduled, policy, kept) -> dict[str, int]:
         cfg = self.params.config

@@ -4,11 +4,10 @@ decoding or prefilling, as ONE flattened batch of tokens through THE model (`jkv
 flat_step`), whose layers write the new K and V into their pages and attend through each row's
 page table (`jkv.core.paged`). The pool is donated: the step updates it in place.
 
-What stays on the gathering path (`runner.paged_step`, a dense copy of each row): the chunk
-that ends a prompt its KV policy compresses (the policy's window votes and selection read a
-dense state; the chunks before it run here, as a full cache's) and the rings of evicting
-policies (StreamingLLM's rotation on read, H2O's mass), whose rules are written over dense
-states.
+Prompts a select-once policy compresses run here like a full cache's; their selection follows
+over the pool (`jkv.engine.select`). What stays on the gathering path (`runner.paged_step`, a
+dense copy of each row): the rings of evicting policies (StreamingLLM's rotation on read, H2O's
+mass), whose rules are written over dense states.
 
 Compiled shapes: rows and tokens padded to powers of two (`bucket`); the row tables have their
 fixed width, so a step's shape never depends on how long its rows are.

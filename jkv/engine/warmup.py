@@ -16,6 +16,7 @@ from jkv.core.sampling import SamplingArrays
 from jkv.engine.policy_steps import sensitivity_pass
 from jkv.engine.ragged import ragged_step
 from jkv.engine.runner import Rows, bucket, compact, paged_step, set_rows, write_mass, write_pages
+from jkv.engine.select import paged_select
 from jkv.policies import resolve
 from jkv.request import Request
 
@@ -25,10 +26,10 @@ class Warmup:
         """Compiles every step shape a request can need, so that no request compiles later:
         the flattened step at every (rows, tokens) bucket (rows: powers of two up to
         max_running; tokens: up to the token budget's); for each of `kv_policies` (names or
-        `jkv.policies.KVPolicy` objects; budgets do not matter, they are data) the gathering
-        step (rows; new tokens 1 or the chunk; blocks per row: powers of two up to
-        max_model_len's) and every compaction; every block-row update size. Returns the
-        seconds it took."""
+        `jkv.policies.KVPolicy` objects; budgets do not matter, they are data) its selection
+        over the pool (rows) or, for a ring, the gathering step (rows; new tokens 1 or the
+        chunk; blocks per row: powers of two up to max_model_len's), and every compaction;
+        every block-row update size. Returns the seconds it took."""
         t0 = time.perf_counter()
         cfg = self.params.config
         g = self.scheduler.group
@@ -41,7 +42,10 @@ class Warmup:
             keys.append(policy.jit_key())
         probe = Request.build(self.params)
         z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
-        for key, b, t, m in itertools.product(keys, rows, (1, self.scheduler.chunk), widths):
+        rings = [k for k in keys if k.evicts]  # the gathering step's; the others select
+        for key, b in itertools.product([k for k in keys if not k.evicts], rows):
+            self._warm_select(key, b)
+        for key, b, t, m in itertools.product(rings, rows, (1, self.scheduler.chunk), widths):
             sampling = SamplingArrays.build([probe.sampling] * b, [probe.seed] * b)
             sens = None
             if key.needs_sensitivity:
@@ -71,6 +75,26 @@ class Warmup:
                 ).block_until_ready()
         jax.block_until_ready(self.device)
         return time.perf_counter() - t0
+
+    def _warm_select(self, key, b: int) -> None:
+        """The selection of `key` (a select-once policy) over `b` rows, and (for one row) the
+        compaction of what it keeps."""
+        cfg, g = self.params.config, self.scheduler.group
+        window = getattr(key, "window", 0) if key.observes else 0
+        t = max(b * (bucket(window) if window else 0), 1)
+        z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+        idle = PagedRows(z(b, self.rows.width), z(b, g), z(b), z(b), z(b), z(b),
+                         np.full(t, b, np.int32), z(t), np.int32(0), np.int32(0))  # fmt: skip
+        sens = None
+        if key.needs_sensitivity:
+            sens = np.zeros((b, cfg.num_layers, cfg.num_kv_heads), np.float32)
+        src, counts = paged_select(
+            self.params.weights, cfg, self.device, idle, z(t), z(t), z(b), sens,
+            backend=self.backend, dtype=self.kv_dtype, policy=key,
+        )  # fmt: skip
+        if b == 1:
+            self.device = compact(self.device, src[0].reshape(g, -1), z(self.rows.width), z(g))
+        counts.block_until_ready()
 
     def _warm_flat(self, rows) -> None:
         """The flattened step at every (rows, tokens) bucket a step can have: tokens from the

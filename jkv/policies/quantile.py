@@ -53,7 +53,8 @@ class Quantile(KVPolicy):
         return key
 
     def keep(self, layer_index, layer, ctx):
-        norms = key_l1_norms(layer)
+        # the engine's selection over its pages hands the norms in as the scores (no keys)
+        norms = key_l1_norms(layer) if layer.k is not None else layer.scores
         score = norms if self.keep_norms == "high" else -norms
         b = ctx.budgets[:, None]
         return keep_recent_and_top(score, layer, b, jnp.minimum(self.window, b), self.sink)

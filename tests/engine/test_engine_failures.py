@@ -107,18 +107,22 @@ def test_a_failed_step_fails_its_requests_and_the_next_ones_succeed(
     assert engine.failures == failures + 1
 
 
-@pytest.mark.parametrize("where", ["write_pages", "compact"])
+@pytest.mark.parametrize(
+    "where, policy",
+    [("paged_select", jkv.SnapKV(budget=8, window=4)), ("compact", jkv.SnapKV(budget=8, window=4)),
+     ("write_pages", jkv.StreamingLLM(budget=12, sink=2))],
+    ids=["selection", "compaction", "ring-write"],
+)  # fmt: skip
 def test_a_failed_policy_step_or_compaction_leaves_a_valid_pool(
-    engine, demo, prompts, monkeypatch, where
+    engine, demo, prompts, monkeypatch, where, policy
 ):
-    """A compressing request's prompt step (the gathering path) or its compaction raises
-    after donating the pool."""
+    """A compressing request's selection over the pool (after the flattened step donated the
+    pool), its compaction, or a ring's gathering step's page write raises after donating it."""
 
     def target(fn):
         return (policy_steps, where, fn)
 
-    fail_then_recover(engine, demo, prompts, monkeypatch, target, True,
-                      kv_policy=jkv.SnapKV(budget=8, window=4))  # fmt: skip
+    fail_then_recover(engine, demo, prompts, monkeypatch, target, True, kv_policy=policy)
 
 
 def test_a_lost_pool_drops_the_prefix_cache(demo, prompts, monkeypatch):

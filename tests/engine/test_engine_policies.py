@@ -15,6 +15,7 @@ from jkv.engine import policy_steps
 from jkv.engine.engine import Engine
 from jkv.engine.ragged import ragged_step
 from jkv.engine.runner import compact, paged_step, set_rows, write_mass, write_pages
+from jkv.engine.select import paged_select
 from jkv.policies import H2O, AdaKV, EffiCache, PyramidKV, Quantile, SnapKV, StreamingLLM
 
 
@@ -101,23 +102,41 @@ def test_compression_frees_pages_per_head(demo):
     assert len(rest) == 2 and engine.pool.used_pages == 0
 
 
-def test_only_the_chunk_that_ends_a_prompt_gathers(demo):
-    """A SnapKV prompt of four chunks: the first three run on the flattened step (in place,
-    as the full cache's), only the one that ends the prompt runs the gathering step (its window
-    votes and selection); the tokens are generate's."""
-    gathered = []
+@pytest.mark.parametrize("policy", [SNAPKV, QUANTILE], ids=["snapkv", "quantile"])
+def test_a_compressed_prompt_never_gathers(demo, policy):
+    """A prompt of four chunks a select-once policy compresses: every chunk runs on the
+    flattened step (in place, as the full cache's), none on the gathering step; the selection
+    follows the chunk that ends the prompt, once, over the pool; the tokens are generate's."""
+    gathered, selected = [], []
 
     class Recording(Engine):
         def _run(self, scheduled, policy, kept):
             gathered.extend((r.seq.request_id, r.start, r.n) for r in scheduled)
             return super()._run(scheduled, policy, kept)
 
+        def _select(self, ending, policy, kept):
+            selected.extend((r.seq.request_id, r.start, r.n) for r in ending)
+            return super()._select(ending, policy, kept)
+
     engine = Recording(demo, num_pages=200, page_size=4, token_budget=64, chunk=16)
     rng = random.Random(4)
     prompt = [rng.randrange(3, demo.config.vocab_size) for _ in range(64)]
-    [toks] = engine.generate([prompt], max_new_tokens=4, kv_policy=SNAPKV)
-    assert gathered == [("req-0", 48, 16)]
-    assert toks == alone(demo, prompt, max_new_tokens=4, kv_policy=SNAPKV)
+    [toks] = engine.generate([prompt], max_new_tokens=4, kv_policy=policy)
+    assert gathered == [] and selected == [("req-0", 48, 16)]
+    assert toks == alone(demo, prompt, max_new_tokens=4, kv_policy=policy)
+
+
+def test_the_selection_through_the_pallas_kernels_matches_generate(demo):
+    """On the "pallas_interpret" backend the flattened step runs the ragged Pallas kernel and
+    the selection the paged window-scores kernels (interpreted): SnapKV's tokens are still
+    generate's (on xla)."""
+    engine = Engine(demo, num_pages=200, page_size=4, token_budget=64, chunk=16,
+                    backend="pallas_interpret")  # fmt: skip
+    rng = random.Random(8)
+    prompts = [[rng.randrange(3, demo.config.vocab_size) for _ in range(n)] for n in (30, 41)]
+    got = engine.generate(prompts, max_new_tokens=3, kv_policy=SNAPKV, backend="pallas_interpret")
+    assert engine.pool.used_pages == 0
+    assert got == [alone(demo, p, max_new_tokens=3, kv_policy=SNAPKV) for p in prompts]
 
 
 def test_a_compressed_request_may_start_from_cached_pages(demo):
@@ -146,8 +165,8 @@ def test_no_step_compiles_after_warmup_with_policies(demo):
     engine = Engine(demo, num_pages=64, page_size=16, chunk=16, max_running=1, max_model_len=32,
                     attention_mass=True)  # fmt: skip
     engine.warmup(kv_policies=[H2O(budget=8, recent=2), EffiCache(window=8)])
-    compiled = (ragged_step, paged_step, write_pages, compact, set_rows, write_mass,
-                policy_steps.sensitivity_pass)  # fmt: skip
+    compiled = (ragged_step, paged_step, paged_select, write_pages, compact, set_rows,
+                write_mass, policy_steps.sensitivity_pass)  # fmt: skip
     before = [f._cache_size() for f in compiled]
     rng = random.Random(1)
     for policy in (EffiCache(budget=0.5, window=8), EffiCache(budget=5, window=8), None,

@@ -1,0 +1,141 @@
+"""A select-once KV policy's choice at a prompt's end, on the pool in place (the engine's
+selection): the prompt ran on the flattened step like a full cache's, all of it in its pages;
+then, for the rows whose prompt ended in that step, one program
+
+  * runs the model again over each row's observation window (its prompt's last `window`
+    tokens, at most a few dozen; attention reads the row's pages, writes nothing: their K and V
+    are in the pool) to get every layer's rotated window queries;
+  * scores every slot of the row per (layer, kv head) through its page table: SnapKV's window
+    votes (`paged_window_scores`, the Pallas kernels on the "pallas" backends, their XLA path
+    on "xla"), or the key norms a Quantile policy keeps by (read block by block);
+  * hands the policy a view of each layer (its slots' positions and scores, no keys or values)
+    and keeps what the policy's `keep` keeps, as `jkv.generate` does over its dense cache.
+
+Returns what each head keeps as pool tokens in slot order, for the compaction
+(`runner.compact`). Nothing here copies a row's keys or values into a dense array.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jkv import kv as kvlib
+from jkv.core.backends import ops
+from jkv.core.paged import PagedRows, make_paged_attention
+from jkv.core.step import flat_step
+from jkv.engine.runner import PagedKV, Rows, bucket, kept_slots, token_index
+
+KEY_BLOCK = 256  # slots whose keys a Quantile policy's norms read at a time
+
+
+def key_norms(pool: PagedKV, at, lengths) -> jax.Array:
+    """`[E, K, S]` float32 L1 norm of the key stored at pool tokens `at` `[E, K, S]` (0 at and
+    past `lengths` `[E, K]`), `KEY_BLOCK` slots at a time."""
+    e, kh, s = at.shape
+    width = -(-s // KEY_BLOCK) * KEY_BLOCK
+    at = jnp.pad(at, ((0, 0), (0, 0), (0, width - s)))
+    flat = lambda x: x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])  # noqa: E731
+
+    def block(i, out):
+        idx = jax.lax.dynamic_slice_in_dim(at, i * KEY_BLOCK, KEY_BLOCK, axis=2)
+        k = flat(pool.k)[idx].astype(jnp.float32)  # [E, K, blk, H]
+        if pool.k_scale is not None:
+            k = k * flat(pool.k_scale)[idx].astype(jnp.float32)[..., None]
+        return jax.lax.dynamic_update_slice_in_dim(out, jnp.abs(k).sum(-1), i * KEY_BLOCK, 2)
+
+    out = jax.lax.fori_loop(0, width // KEY_BLOCK, block, jnp.zeros((e, kh, width), jnp.float32))
+    return jnp.where(jnp.arange(s) < lengths[..., None], out[..., :s], 0.0)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "backend", "dtype", "policy"))
+def paged_select(
+    weights, config, pool: PagedKV, rows: PagedRows, tokens, positions, budgets, sensitivity=None,
+    *, backend: str, dtype: str, policy,
+):  # fmt: skip
+    """What `policy` (a select-once policy's `jit_key()`) keeps of E rows whose prompts are in
+    the pool, uncompressed.
+
+    Args:
+      rows: the E rows (`pack_select`): their tables, `held` their prompt's length, their
+        window tokens at `q_start`, `q_len` (none for a policy that needs no window).
+      tokens, positions: `[T]` the window tokens and their text positions.
+      budgets: `[E]` int32 prompt tokens each row keeps; `sensitivity`: `[E, L, K]` EffiCache's.
+
+    Returns:
+      (`[E, L, K, S]` int32 each head's kept pool tokens first, in slot order; `[E, L, K]` int32
+      how many).
+    """
+    nl, kh = config.num_layers, config.num_kv_heads
+    e = rows.tables.shape[0]
+    s = rows.tables.shape[1] * pool.page_size
+    queries = None
+    if policy.observes:
+        scales = ("k_scale", "v_scale") if pool.k_scale is not None else ()
+        state = {"pool": {n: getattr(pool, n) for n in ("k", "v", "positions", "block_pages",
+                                                        *scales)}}  # fmt: skip
+        attend = make_paged_attention(state, rows, config=config, backend=backend,
+                                      kv_dtype=dtype, write=False)  # fmt: skip
+        last = rows.q_start + jnp.maximum(rows.q_len - 1, 0)
+        flat_step(weights, config, tokens, positions, attend, last)
+        queries = state["q"]  # L x [T, N, H] rotated
+    kernels = ops(backend)
+    index_rows = Rows(rows.tables, rows.base, rows.n_prefix, rows.held, jnp.zeros(e, bool))
+    dense = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (e, kh, s))
+    lengths = jnp.broadcast_to(rows.held[:, None], (e, kh))
+    flat = lambda x: x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])  # noqa: E731
+    layers, index = [], []
+    for layer in range(nl):
+        at = token_index(pool, index_rows, layer, kh, dense)  # [E, K, S] pool tokens
+        heads = layer * kh + jnp.arange(kh)
+        if policy.observes:
+            table = jnp.transpose(pool.block_pages[rows.tables][:, :, heads], (0, 2, 1))
+            scores = kernels.paged_window_scores(
+                queries[layer], pool.k, table, lengths, rows.q_start, rows.q_len, positions,
+                pool.positions, k_scale=pool.k_scale, pool=policy.pool, kernel_size=policy.kernel,
+            )  # fmt: skip
+        else:
+            scores = key_norms(pool, at, lengths)
+        live = dense < lengths[..., None]
+        layers.append(kvlib.LayerKV(k=None, v=None, lengths=lengths,
+                                    positions=jnp.where(live, flat(pool.positions)[at], -1),
+                                    scores=scores))  # fmt: skip
+        index.append(at)
+    kv = kvlib.KVState(layers=tuple(layers), next_position=rows.held,
+                       limit=jnp.full((e,), kvlib.NO_LIMIT, jnp.int32), dtype=dtype)  # fmt: skip
+    order, counts = kept_slots(policy, kv, nl, jnp.ones_like(rows.held), budgets,
+                               rows.held - 1, sensitivity)  # fmt: skip
+    src = jnp.stack(
+        [jnp.take_along_axis(index[i], order[:, i], axis=-1) for i in range(nl)], axis=1
+    )
+    return src, counts
+
+
+def pack_select(ending, row_tables, group: int, page: int, window: int):
+    """Host arrays for `paged_select` from the rows `ending` (scheduled rows whose prompt ends
+    in the step just run, before its bookkeeping): (`PagedRows`, tokens `[T]`, positions
+    `[T]`); rows padded to a power of two, each row's window to `bucket(window)` tokens (none
+    without a window)."""
+    b = bucket(len(ending))
+    w = bucket(window) if window else 0
+    slots = [row_tables.sync(r.seq) for r in ending]
+    tables = np.zeros((b, row_tables.width), np.int32)
+    tables[: len(slots)] = row_tables.table[slots]
+    held, q_start, q_len = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
+    tok_row, tok_slot = np.full(max(b * w, 1), b, np.int32), np.zeros(max(b * w, 1), np.int32)
+    tokens, positions = np.zeros(max(b * w, 1), np.int32), np.zeros(max(b * w, 1), np.int32)
+    for i, r in enumerate(ending):
+        seq = r.seq
+        n = len(seq.prompt)  # every prompt token is in the tail, slot i at position i
+        k = min(window, n)
+        held[i], q_start[i], q_len[i] = n, i * w, k
+        tokens[i * w : i * w + k] = seq.prompt[n - k : n]
+        positions[i * w : i * w + k] = np.arange(n - k, n)
+        tok_row[i * w : i * w + k] = i
+        tok_slot[i * w : i * w + k] = np.arange(n - k, n)
+    rows = PagedRows(tables, np.zeros((b, group), np.int32), np.zeros(b, np.int32), held,
+                     q_start, q_len, tok_row, tok_slot, np.int32(0), np.int32(len(ending)))  # fmt: skip
+    return rows, tokens, positions
