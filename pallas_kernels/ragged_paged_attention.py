@@ -14,6 +14,10 @@ Layout (the serving engine's pool: a page holds ONE kv head's `page_size` tokens
     q_start, q_len     [R]                row r's queries are q[q_start : q_start + q_len]
                                           (vLLM's cu_q_lens, as start and length)
     q_positions        [T]                text position of every query token
+    rope (optional)    (raw [R] bool, sink [R], shift [R] int32, inv_freq [H/2] float32): row
+                       r's keys are stored before RoPE (a StreamingLLM ring) when raw[r], and
+                       rotated on read at their rank within the cache: pos if pos < sink[r],
+                       else pos - shift[r] (the caller rotates the queries to match)
 
 Slot i of (r, k) lives at page `page_table[r, k, i // page_size]`, offset `i % page_size`. The
 step's new tokens are in the pool already (the caller writes them first), so a chunk of queries
@@ -88,6 +92,17 @@ def _visible(slots, lengths, gaps, pos, qpos, window):
     return ok
 
 
+def _rotated(x, pos, sink, shift, inv_freq):
+    """x `[..., H]` float32 rotated by RoPE at the rank `pos` has within a ring (pos below
+    `sink`: pos; else pos - `shift`; all broadcast to x's shape without H)."""
+    rank = jnp.where(pos < sink, pos, pos - shift).astype(jnp.float32)
+    angles = rank[..., None] * inv_freq.astype(jnp.float32)
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    half = x.shape[-1] // 2
+    swapped = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * jnp.cos(angles) + swapped * jnp.sin(angles)
+
+
 @functools.partial(jax.jit, static_argnames=("sliding_window", "sm_scale"))
 def ragged_paged_attention_reference(
     q,
@@ -105,6 +120,7 @@ def ragged_paged_attention_reference(
     v_scale=None,
     sliding_window=None,
     sm_scale=None,
+    rope=None,
 ):
     """Float32 reference: each row's pages gathered into a dense copy, every query against it.
     Returns `[T, N, H]` float32 (zeros for tokens no row owns)."""
@@ -121,6 +137,10 @@ def ragged_paged_attention_reference(
     dense_k = k[page_table].reshape(r, kh, m * page, h)  # [R, K, S, H]
     dense_v = v[page_table].reshape(r, kh, m * page, h)
     dense_pos = pos_pages[page_table].reshape(r, kh, m * page)
+    if rope is not None:
+        raw, sink, shift, inv_freq = rope
+        turned = _rotated(dense_k, dense_pos, sink[:, None, None], shift[:, None, None], inv_freq)
+        dense_k = jnp.where(raw[:, None, None, None], turned, dense_k)
     # each token's row (-1: none)
     tok = jnp.arange(t)
     owner = jnp.sum(
@@ -173,6 +193,7 @@ def ragged_paged_attention_xla(
     v_scale=None,
     sliding_window=None,
     sm_scale=None,
+    rope=None,
     q_tile: int = 64,
     row_tile: int = 8,
     pages_per_step: int = 8,
@@ -199,6 +220,7 @@ def ragged_paged_attention_xla(
     table = jnp.pad(page_table, ((0, row_tile), (0, 0), (0, 0)))
     lens = jnp.pad(lengths, ((0, row_tile), (0, 0)))
     gaps_p = None if gaps is None else jnp.pad(gaps, ((0, row_tile), (0, 0), (0, 0)))
+    rope_p = None if rope is None else tuple(jnp.pad(x, (0, row_tile)) for x in rope[:3])
 
     def block(rows, j):
         """Key block j of `rows` `[W]`: K, V `[W, K, S, H]` float32, positions `[W, K, S]`, and
@@ -212,6 +234,11 @@ def ragged_paged_attention_xla(
             vb = vb * v_scale[pages].astype(f32)[..., None]
         w = rows.shape[0]
         pos = pos_pages[pages].reshape(w, kh, bs)
+        if rope is not None:  # a ring's keys, stored before RoPE, rotated at their ranks
+            raw, sink, shift = (x[rows] for x in rope_p)
+            turned = _rotated(kb.reshape(w, kh, bs, h), pos, sink[:, None, None],
+                              shift[:, None, None], rope[3])  # fmt: skip
+            kb = jnp.where(raw[:, None, None, None], turned, kb.reshape(w, kh, bs, h))
         slots = j * bs + jnp.arange(bs)
         stored = _visible(slots, lens[rows], None if gaps_p is None else gaps_p[rows], 0, 0, None)
         stored &= jnp.repeat(cols < m, page)
@@ -311,6 +338,7 @@ def ragged_paged_attention_kernel(
     fp8: bool,
     gaps: bool,
     window: int | None,
+    rope: bool = False,
 ):
     refs = list(refs)
     q_ref = refs.pop(0)  # [T, N, H] every query token (gathered by address)
@@ -325,6 +353,9 @@ def ragged_paged_attention_kernel(
     gap_ref = refs.pop(0) if gaps else None  # [2] slots [gap[0], gap[1]) hold nothing
     ks_ref = refs.pop(0) if fp8 else None  # [P, page_size] key scales
     vs_ref = refs.pop(0) if fp8 else None  # [P, page_size] value scales
+    # a ring's keys stored before RoPE: whether this row's are, its sinks and shift, and the
+    # inverse frequencies repeated over both halves [H]
+    raw_ref, sink_ref, shift_ref, freq_ref = (refs.pop(0) for _ in range(4)) if rope else [None] * 4
     _ = refs.pop(0)  # [T + 1, N, H] float32 zeros, aliased to the output
     o_ref = refs.pop(0)  # [T + 1, N, H] float32 output, written by address (its rows only)
 
@@ -363,6 +394,14 @@ def ragged_paged_attention_kernel(
         pos = bk.load(pos_ref.at[page, offs], mask=valid, other=0)
         kb = decode(bk.load(k_ref.at[page[:, None], offs[:, None], cols[None, :]],
                             mask=valid[:, None], other=0))  # fmt: skip
+        if rope:  # rotate-half by a second load of the block, its halves swapped
+            swap = (cols + h // 2) % h
+            kswap = decode(bk.load(k_ref.at[page[:, None], offs[:, None], swap[None, :]],
+                                   mask=valid[:, None], other=0))  # fmt: skip
+            kswap = kswap * jnp.where(cols < h // 2, -1.0, 1.0)[None, :]
+            rank = jnp.where(pos < sink_ref[()], pos, pos - shift_ref[()]).astype(jnp.float32)
+            angle = rank[:, None] * freq_ref[...][None, :]
+            kb = jnp.where(raw_ref[()] != 0, kb * jnp.cos(angle) + kswap * jnp.sin(angle), kb)
         z = bk.dot(q, kb.astype(compute_dtype), trans_b=True)  # [rows_p, bs]
         if fp8:
             ks = bk.load(ks_ref.at[page, offs], mask=valid, other=0).astype(jnp.float32)
@@ -416,6 +455,7 @@ def ragged_paged_attention(
     v_scale=None,
     sliding_window=None,
     sm_scale=None,
+    rope=None,
     q_tile: int = 16,
     pages_per_block: int | None = None,
     num_warps: int = 4,
@@ -477,12 +517,17 @@ def ragged_paged_attention(
     if fp8:
         args += [k_scale, v_scale]
         in_specs += [whole(p, page_size), whole(p, page_size)]
+    if rope is not None:
+        raw, sink, shift, inv_freq = rope
+        freq = jnp.concatenate([inv_freq, inv_freq]).astype(jnp.float32)
+        args += [raw.astype(jnp.int32), sink.astype(jnp.int32), shift.astype(jnp.int32), freq]
+        in_specs += [per_row(), per_row(), per_row(), whole(h)]  # row i's flag, sinks, shift
     args.append(jnp.full((t + 1, n, h), _fill, jnp.float32))  # tests poison it with NaN
     in_specs.append(whole(t + 1, n, h))
     kernel = functools.partial(
         ragged_paged_attention_kernel, n_heads=g, q_tile=q_tile, page_size=page_size,
         block_s=block_s, sm_scale=scale, compute_dtype=compute_dtype, fp8=fp8,
-        gaps=gaps is not None, window=sliding_window,
+        gaps=gaps is not None, window=sliding_window, rope=rope is not None,
     )  # fmt: skip
     out = pl.pallas_call(
         kernel,

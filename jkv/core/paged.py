@@ -49,6 +49,11 @@ class PagedRows:
     tok_slot: jax.Array  # [T] int32 each token's tail slot (n_prefix * page_size + tail index)
     num_decode: jax.Array  # [] int32 rows [0, num_decode) hold one token each
     num_rows: jax.Array  # [] int32 real rows
+    # Rows whose keys are stored before RoPE (StreamingLLM), None when the step has none: key
+    # and query rotated at their rank, position below `sink`, else position - `shift`
+    raw: jax.Array | None = None  # [R] bool
+    sink: jax.Array | None = None  # [R] int32
+    shift: jax.Array | None = None  # [R] int32
 
 
 def local_pages(pages, first) -> jax.Array:
@@ -120,10 +125,25 @@ def make_paged_attention(
     kernels = ops(backend)
     inv_freq = jnp.asarray(config.inv_freq())
 
+    def ranks(positions, rows):
+        """`[1, T]` the positions queries and stored keys are rotated at: a raw row's rank."""
+        if rows.raw is None:
+            return positions
+        r = jnp.minimum(rows.tok_row, rows.raw.shape[0] - 1)
+        real = rows.tok_row < rows.raw.shape[0]
+        raw = rows.raw[r] & real & (positions[0] >= rows.sink[r])
+        return jnp.where(raw, positions[0] - rows.shift[r], positions[0])[None]
+
     def local(layer, q, k, v, positions, pool, rows):
         """Write and attend on the kv heads `k` holds (all, or this device's share)."""
-        q = rope(q, positions[:, :, None], inv_freq)[0]  # [T, N, H]
+        q = rope(q, ranks(positions, rows)[:, :, None], inv_freq)[0]  # [T, N, H]
+        k_raw = k[0]
         k = rope(k, positions[:, :, None], inv_freq)[0]  # [T, K, H]
+        rope_args = None
+        if rows.raw is not None:  # a ring's keys are stored as they left the projection
+            raw = rows.raw[jnp.minimum(rows.tok_row, rows.raw.shape[0] - 1)]
+            k = jnp.where(raw[:, None, None], k_raw, k)
+            rope_args = (rows.raw, rows.sink, rows.shift, inv_freq)
         d = 0 if mesh is None else jax.lax.axis_index("model")  # this device's heads, pages
         heads = layer * config.num_kv_heads + d * k.shape[1] + jnp.arange(k.shape[1])
         first = d * pool["k"].shape[0]
@@ -135,13 +155,14 @@ def make_paged_attention(
             q, pool["k"], pool["v"], table, lengths, rows.q_start, rows.q_len, positions[0],
             pool["positions"], rows.num_decode, rows.num_rows, gaps=gaps,
             k_scale=pool.get("k_scale"), v_scale=pool.get("v_scale"),
-            sliding_window=config.sliding_window,
+            sliding_window=config.sliding_window, rope=rope_args,
         )  # fmt: skip
         return out[None], pool
 
     def attention(layer, q, k, v, positions, cache):
         if not write:
-            state.setdefault("q", []).append(rope(q, positions[:, :, None], inv_freq)[0])
+            state.setdefault("q", []).append(rope(q, ranks(positions, rows)[:, :, None],
+                                                  inv_freq)[0])  # fmt: skip
         if mesh is None:
             out, state["pool"] = local(layer, q, k, v, positions, state["pool"], rows)
             return out, cache

@@ -26,12 +26,14 @@ A KV policy that selects once, after the prompt (SnapKV, PyramidKV, Ada-KV, Effi
 Quantile), is a per-request setting: the prompt runs on the flattened step like a full cache's,
 then the policy selects over the pool (`jkv.engine.select`: its window votes through the page
 table; EffiCache's head sensitivity comes from one gradient pass over the whole prompt), then
-each head's kept tokens move into the fewest pages and the rest go back to the pool. StreamingLLM and H2O compress the same way at the prompt's end, then keep a
-ring of their budget's slots: each new token overwrites the oldest non-sink one (StreamingLLM)
-or the lightest by attention mass outside the recent window (H2O, whose mass per stored token
-lives in the pool: `Engine(attention_mass=True)`). The segment rebuild stays on the one-shot
-path (ValueError here). The kv dtype (float32, bfloat16, or fp8 with a bfloat16 scale per
-token) is one per engine.
+each head's kept tokens move into the fewest pages and the rest go back to the pool.
+StreamingLLM and H2O compress the same way at the prompt's end, then keep a ring of their
+budget's slots: each new token overwrites the oldest non-sink one (StreamingLLM, on the
+flattened step, the slot chosen by the host, `Sequence.ring_write`) or the lightest by
+attention mass outside the recent window (H2O, on the gathering step; its mass per stored
+token lives in the pool: `Engine(attention_mass=True)`). The segment rebuild and KVzip stay on
+the one-shot path (ValueError here). The kv dtype (float32, bfloat16, or fp8 with a bfloat16
+scale per token) is one per engine.
 
 Over a mesh (params loaded with `mesh=`, or `Engine(..., mesh=)`), the pool is sharded over kv
 heads on the "model" axis: each device stores one segment of the pages, a kv head's pages come
@@ -302,6 +304,7 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
                 seq.limit = policy.row_limit(len(ids))
                 seq.keep = min(seq.limit, len(ids) + req.max_new_tokens)
             seq.cacheable = not policy.wants_mass
+            seq.raw_sink = policy.sink if policy.raw_keys else None
         return seq
 
     def _check_policy(self, policy) -> None:

@@ -18,20 +18,26 @@ from jkv.sharding import to_host
 sensitivity_pass = jax.jit(head_sensitivity, static_argnames=("config",))
 
 
+def _gathers(policy) -> bool:
+    """Whether `policy`'s rows run the gathering step (H2O: its slot choice needs the attention
+    mass every query adds, which the ragged kernels do not return)."""
+    return policy is not None and policy.evicts and policy.wants_mass
+
+
 class PolicySteps:
     def _policy_key(self, r):
         """The policy a step of `r` runs the gathering step with (None: the flattened step):
-        an evicting policy's, in every step (a ring rotates keys on read and evicts)."""
+        H2O's, in every step (its eviction needs the attention mass each query adds)."""
         policy = self._rows[r.seq.request_id].req.policy
-        return policy.jit_key() if policy is not None and policy.evicts else None
+        return policy.jit_key() if _gathers(policy) else None
 
     def _ends_compression(self, r) -> bool:
-        """Whether `r`'s step ends a prompt a select-once policy compresses (its selection
-        follows the step, `_select`)."""
+        """Whether `r`'s step (on the flattened step) ends a prompt its policy compresses (its
+        selection follows the step, `_select`)."""
         policy = self._rows[r.seq.request_id].req.policy
         return (
             policy is not None
-            and not policy.evicts
+            and not _gathers(policy)
             and not r.seq.compressed
             and r.start + r.n == len(r.seq.prompt)
         )
@@ -52,13 +58,16 @@ class PolicySteps:
         sensitivity = None
         if policy.needs_sensitivity:
             sensitivity = self._sensitivity(ending, range(len(ending)), b)
-        src, counts = paged_select(
+        src, counts, first = paged_select(
             self.params.weights, self.params.config, self.device, rows, tokens, positions,
             budgets, sensitivity, backend=self.backend, dtype=self.kv_dtype, policy=policy,
         )  # fmt: skip
         counts = to_host(counts)
+        first = to_host(first) if policy.evicts else None  # a ring's positions, slot by slot
         for i, r in enumerate(ending):
-            kept[r.seq.request_id] = (src, i, counts[i].reshape(-1).tolist())
+            c = counts[i].reshape(-1).tolist()
+            ring = None if first is None else first[i, : c[0]].tolist()
+            kept[r.seq.request_id] = (src, i, c, ring)
 
     def _run(self, scheduled, policy, kept) -> dict[str, int]:
         cfg = self.params.config
@@ -94,7 +103,7 @@ class PolicySteps:
             src, counts = selection
             counts = to_host(counts)
             for i in ending:
-                kept[scheduled[i].seq.request_id] = (src, i, counts[i].reshape(-1).tolist())
+                kept[scheduled[i].seq.request_id] = (src, i, counts[i].reshape(-1).tolist(), None)
         tok = to_host(tok)
         return {r.seq.request_id: int(tok[i]) for i, r in enumerate(scheduled) if r.samples}
 
@@ -112,11 +121,14 @@ class PolicySteps:
             out[i] = to_host(sensitivity_pass(self.params.weights, cfg, tokens, n))[0]
         return out
 
-    def _compress(self, seq, src, row, counts) -> None:
+    def _compress(self, seq, src, row, counts, ring=None) -> None:
         """The policy's selection made physical: each head's kept tokens move into the fewest
-        pages (`Scheduler.compress`), the rest go back to the pool."""
+        pages (`Scheduler.compress`), the rest go back to the pool; `ring`: a StreamingLLM
+        ring's kept positions in slot order (its host side starts from them)."""
         if self.scheduler.compress_or_preempt(seq, counts) is None:
             return  # preempted for lack of pages: recomputed later
+        if ring is not None:
+            seq.start_ring(ring)
         self._sync_rows()
         table = np.zeros(self.rows.width, np.int32)
         table[: len(seq.blocks)] = seq.blocks

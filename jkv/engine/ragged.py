@@ -4,10 +4,12 @@ decoding or prefilling, as ONE flattened batch of tokens through THE model (`jkv
 flat_step`), whose layers write the new K and V into their pages and attend through each row's
 page table (`jkv.core.paged`). The pool is donated: the step updates it in place.
 
-Prompts a select-once policy compresses run here like a full cache's; their selection follows
-over the pool (`jkv.engine.select`). What stays on the gathering path (`runner.paged_step`, a
-dense copy of each row): the rings of evicting policies (StreamingLLM's rotation on read, H2O's
-mass), whose rules are written over dense states.
+Prompts a policy compresses run here like a full cache's; their selection follows over the
+pool (`jkv.engine.select`). StreamingLLM's rows store their keys before RoPE, rotated on read
+at their rank in the cache (`PagedRows.raw`), and once compressed decode into a ring whose slot
+the host chooses (`Sequence.ring_write`: its rule ignores the tokens' content). What stays on
+the gathering path (`runner.paged_step`, a dense copy of each row): H2O, whose eviction needs
+the attention mass every query adds.
 
 Compiled shapes: rows and tokens padded to powers of two (`bucket`); the row tables have their
 fixed width, so a step's shape never depends on how long its rows are.
@@ -87,6 +89,8 @@ def pack_ragged(scheduled, row_tables: RowTables, group: int, page: int):
     q_start, q_len = np.zeros(b, np.int32), np.zeros(b, np.int32)
     tok_row, tok_slot = np.full(t, b, np.int32), np.zeros(t, np.int32)
     tokens, positions = np.zeros(t, np.int32), np.zeros(t, np.int32)
+    rings = any(r.seq.raw_sink is not None for r in scheduled)
+    raw, sink, shift = np.zeros(b, bool), np.zeros(b, np.int32), np.zeros(b, np.int32)
     at = 0
     for i, r in enumerate(scheduled):
         seq, n = r.seq, r.n
@@ -94,6 +98,11 @@ def pack_ragged(scheduled, row_tables: RowTables, group: int, page: int):
         if seq.compressed:
             base[i], n_prefix[i] = seq.base, seq.n_prefix
         held[i] = seq.tail + n
+        if seq.raw_sink is not None:
+            raw[i], sink[i] = True, seq.raw_sink
+        if seq.ring:  # one token into its ring: every slot in its prefix, no tail
+            first, count, shift[i] = seq.ring_write(r.start)
+            base[i], held[i] = count, 0
         q_start[i], q_len[i] = at, n
         tokens[at : at + n] = seq.token_slice(r.start, n)
         positions[at : at + n] = np.arange(r.start, r.start + n)
@@ -101,6 +110,7 @@ def pack_ragged(scheduled, row_tables: RowTables, group: int, page: int):
         tok_slot[at : at + n] = np.arange(first, first + n)
         at += n
     num_decode = sum(1 for r in scheduled if r.n == 1)
+    ring = (raw, sink, shift) if rings else (None, None, None)
     rows = PagedRows(tables, base, n_prefix, held, q_start, q_len, tok_row, tok_slot,
-                     np.int32(num_decode), np.int32(len(scheduled)))  # fmt: skip
+                     np.int32(num_decode), np.int32(len(scheduled)), *ring)  # fmt: skip
     return rows, tokens, positions

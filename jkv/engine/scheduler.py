@@ -155,6 +155,7 @@ class Scheduler:
         seq.n_prefix, seq.base, seq.prefix_pages = 0, None, 0
         seq.num_computed = seq.num_cached = seq.shared_blocks = seq.published = 0
         seq.compressed = False  # recomputed from its tokens, it is compressed again
+        seq.ring_count, seq.ring_window = 0, None
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -7,7 +7,8 @@ then, for the rows whose prompt ended in that step, one program
     are in the pool) to get every layer's rotated window queries;
   * scores every slot of the row per (layer, kv head) through its page table: SnapKV's window
     votes (`paged_window_scores`, the Pallas kernels on the "pallas" backends, their XLA path
-    on "xla"), or the key norms a Quantile policy keeps by (read block by block);
+    on "xla"), or the key norms a Quantile policy keeps by (read block by block), or nothing
+    (StreamingLLM keeps by position);
   * hands the policy a view of each layer (its slots' positions and scores, no keys or values)
     and keeps what the policy's `keep` keeps, as `jkv.generate` does over its dense cache.
 
@@ -67,7 +68,8 @@ def paged_select(
 
     Returns:
       (`[E, L, K, S]` int32 each head's kept pool tokens first, in slot order; `[E, L, K]` int32
-      how many).
+      how many; `[E, S]` int32 the text positions layer 0's kv head 0 keeps, in that order: a
+      StreamingLLM ring's, whose heads all keep the same).
     """
     nl, kh = config.num_layers, config.num_kv_heads
     e = rows.tables.shape[0]
@@ -97,8 +99,10 @@ def paged_select(
                 queries[layer], pool.k, table, lengths, rows.q_start, rows.q_len, positions,
                 pool.positions, k_scale=pool.k_scale, pool=policy.pool, kernel_size=policy.kernel,
             )  # fmt: skip
-        else:
+        elif policy.keeps_by_key_norms:
             scores = key_norms(pool, at, lengths)
+        else:  # StreamingLLM: positions alone
+            scores = jnp.zeros(at.shape, jnp.float32)
         live = dense < lengths[..., None]
         layers.append(kvlib.LayerKV(k=None, v=None, lengths=lengths,
                                     positions=jnp.where(live, flat(pool.positions)[at], -1),
@@ -111,7 +115,8 @@ def paged_select(
     src = jnp.stack(
         [jnp.take_along_axis(index[i], order[:, i], axis=-1) for i in range(nl)], axis=1
     )
-    return src, counts
+    first = jnp.take_along_axis(kv.layers[0].positions[:, 0], order[:, 0, 0], axis=-1)
+    return src, counts, first
 
 
 def pack_select(ending, row_tables, group: int, page: int, window: int):

@@ -12,6 +12,7 @@ So a decode step adds at most one block to a sequence, whatever the model's shap
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 
@@ -50,6 +51,11 @@ class Sequence:
     window: int = 0  # prompt tokens the policy's last prefill step must hold (SnapKV's window)
     keep: int = 0  # tokens a head holds at most once compressed, generated ones included
     limit: int | None = None  # an evicting policy's slots per head once compressed (a ring)
+    raw_sink: int | None = None  # keys stored before RoPE (StreamingLLM): its sink count
+    ring_count: int = 0  # a StreamingLLM ring: slots it holds
+    ring_window: collections.deque | None = (
+        None  # its (position, slot) past the sinks, oldest first
+    )
     compressed: bool = False
     finish_reason: str | None = None
     error: str | None = None  # why it failed (a step that raised)
@@ -91,6 +97,30 @@ class Sequence:
     def ring(self) -> bool:
         """Compressed by an evicting policy: fixed slots per head, overwritten in place."""
         return self.compressed and self.limit is not None
+
+    def start_ring(self, positions: list[int]) -> None:
+        """A StreamingLLM ring begins, holding the text `positions` in slot order (its kept
+        tokens: the sinks, then the most recent, ascending)."""
+        self.ring_count = len(positions)
+        first = min(self.raw_sink, self.limit - 1)  # a token from here on may be evicted
+        self.ring_window = collections.deque((p, s) for s, p in enumerate(positions) if p >= first)
+
+    def ring_write(self, position: int) -> tuple[int, int, int]:
+        """The token at `position` enters the ring (StreamingLLM's rule, `write_slots`): a free
+        slot while there is one, else the oldest token's past the sinks. Returns (its slot,
+        the slots held after it, the rank shift: a key past the sinks sits at rank position -
+        shift, so the window reads as contiguous text after the sinks, `cache_positions`)."""
+        first = min(self.raw_sink, self.limit - 1)
+        if self.ring_count < self.limit:
+            slot = self.ring_count
+            self.ring_count += 1
+        else:
+            _, slot = self.ring_window.popleft()
+        if position >= first:
+            self.ring_window.append((position, slot))
+        window = (p for p, _ in self.ring_window if p >= self.raw_sink)
+        oldest = next(window, None)
+        return slot, self.ring_count, 0 if oldest is None else oldest - self.raw_sink
 
     @property
     def tail(self) -> int:

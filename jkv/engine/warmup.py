@@ -27,8 +27,9 @@ class Warmup:
         the flattened step at every (rows, tokens) bucket (rows: powers of two up to
         max_running; tokens: up to the token budget's); for each of `kv_policies` (names or
         `jkv.policies.KVPolicy` objects; budgets do not matter, they are data) its selection
-        over the pool (rows) or, for a ring, the gathering step (rows; new tokens 1 or the
-        chunk; blocks per row: powers of two up to max_model_len's), and every compaction;
+        over the pool (rows; StreamingLLM's also the flattened step with its rows) or, for H2O,
+        the gathering step (rows; new tokens 1 or the chunk; blocks per row: powers of two up
+        to max_model_len's), and every compaction;
         every block-row update size. Returns the seconds it took."""
         t0 = time.perf_counter()
         cfg = self.params.config
@@ -42,10 +43,10 @@ class Warmup:
             keys.append(policy.jit_key())
         probe = Request.build(self.params)
         z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
-        rings = [k for k in keys if k.evicts]  # the gathering step's; the others select
-        for key, b in itertools.product([k for k in keys if not k.evicts], rows):
+        gathered = [k for k in keys if k.evicts and k.wants_mass]  # H2O; the others select
+        for key, b in itertools.product([k for k in keys if k not in gathered], rows):
             self._warm_select(key, b)
-        for key, b, t, m in itertools.product(rings, rows, (1, self.scheduler.chunk), widths):
+        for key, b, t, m in itertools.product(gathered, rows, (1, self.scheduler.chunk), widths):
             sampling = SamplingArrays.build([probe.sampling] * b, [probe.seed] * b)
             sens = None
             if key.needs_sensitivity:
@@ -63,6 +64,8 @@ class Warmup:
                                       z(self.rows.width), z(g))  # fmt: skip
             tok.block_until_ready()
         self._warm_flat(rows)
+        if any(k.raw_keys for k in keys):  # the flattened step with StreamingLLM's rows in it
+            self._warm_flat(rows, rings=True)
         for n in (1 << i for i in range(bucket(self.pool.num_blocks).bit_length())):
             ids = np.full(n, self.pool.num_blocks, np.int32)  # every row dropped
             self.device = set_rows(self.device, ids, z(n, g))
@@ -88,7 +91,7 @@ class Warmup:
         sens = None
         if key.needs_sensitivity:
             sens = np.zeros((b, cfg.num_layers, cfg.num_kv_heads), np.float32)
-        src, counts = paged_select(
+        src, counts, _ = paged_select(
             self.params.weights, cfg, self.device, idle, z(t), z(t), z(b), sens,
             backend=self.backend, dtype=self.kv_dtype, policy=key,
         )  # fmt: skip
@@ -96,9 +99,10 @@ class Warmup:
             self.device = compact(self.device, src[0].reshape(g, -1), z(self.rows.width), z(g))
         counts.block_until_ready()
 
-    def _warm_flat(self, rows) -> None:
+    def _warm_flat(self, rows, rings: bool = False) -> None:
         """The flattened step at every (rows, tokens) bucket a step can have: tokens from the
-        rows' count (one each) to the token budget's bucket."""
+        rows' count (one each) to the token budget's bucket; `rings`: with rows whose keys are
+        stored before RoPE (`PagedRows.raw`)."""
         cfg, g = self.params.config, self.scheduler.group
         probe = Request.build(self.params)
         most = bucket(self.scheduler.token_budget)
@@ -108,6 +112,7 @@ class Warmup:
                 idle = PagedRows(
                     z(b, self.rows.width), z(b, g), z(b), z(b), z(b), z(b),
                     np.full(t, b, np.int32), z(t), np.int32(0), np.int32(0),
+                    *((np.zeros(b, bool), z(b), z(b)) if rings else ()),
                 )  # fmt: skip
                 sampling = SamplingArrays.build([probe.sampling] * b, [probe.seed] * b)
                 self._last_tok, self.device = ragged_step(

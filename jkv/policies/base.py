@@ -71,6 +71,7 @@ class KVPolicy:
     evicts: ClassVar[bool] = False  # fixed size during decode (frees a slot per token)
     needs_sensitivity: ClassVar[bool] = False  # EffiCache: head sensitivity by jax.grad
     needs_replay: ClassVar[bool] = False  # KVzip: scored by replaying the context (jkv.replay)
+    keeps_by_key_norms: ClassVar[bool] = False  # Quantile: its scores are the keys' norms
     raw_keys: ClassVar[bool] = False  # keys stored before RoPE, rotated by `cache_positions`
 
     budget: int | float | None = None

@@ -28,6 +28,7 @@ def key_l1_norms(layer):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Quantile(KVPolicy):
     name: ClassVar[str] = "quantile"
+    keeps_by_key_norms: ClassVar[bool] = True
 
     q: float = 0.3  # prune below the 30% quantile: keep 70%
     keep_norms: str = "high"

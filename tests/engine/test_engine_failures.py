@@ -110,14 +110,14 @@ def test_a_failed_step_fails_its_requests_and_the_next_ones_succeed(
 @pytest.mark.parametrize(
     "where, policy",
     [("paged_select", jkv.SnapKV(budget=8, window=4)), ("compact", jkv.SnapKV(budget=8, window=4)),
-     ("write_pages", jkv.StreamingLLM(budget=12, sink=2))],
-    ids=["selection", "compaction", "ring-write"],
+     ("compact", jkv.StreamingLLM(budget=12, sink=2))],
+    ids=["selection", "compaction", "ring-compaction"],
 )  # fmt: skip
 def test_a_failed_policy_step_or_compaction_leaves_a_valid_pool(
     engine, demo, prompts, monkeypatch, where, policy
 ):
     """A compressing request's selection over the pool (after the flattened step donated the
-    pool), its compaction, or a ring's gathering step's page write raises after donating it."""
+    pool) or its compaction (a StreamingLLM ring's too) raises after donating it."""
 
     def target(fn):
         return (policy_steps, where, fn)

@@ -102,11 +102,13 @@ def test_compression_frees_pages_per_head(demo):
     assert len(rest) == 2 and engine.pool.used_pages == 0
 
 
-@pytest.mark.parametrize("policy", [SNAPKV, QUANTILE], ids=["snapkv", "quantile"])
+@pytest.mark.parametrize("policy", [SNAPKV, QUANTILE, RING], ids=["snapkv", "quantile", "ring"])
 def test_a_compressed_prompt_never_gathers(demo, policy):
-    """A prompt of four chunks a select-once policy compresses: every chunk runs on the
-    flattened step (in place, as the full cache's), none on the gathering step; the selection
-    follows the chunk that ends the prompt, once, over the pool; the tokens are generate's."""
+    """A prompt of four chunks a policy compresses: every chunk runs on the flattened step (in
+    place, as the full cache's; StreamingLLM's keys stored before RoPE and rotated on read),
+    none on the gathering step; the selection follows the chunk that ends the prompt, once,
+    over the pool; StreamingLLM then decodes into its ring of 24 slots, wrapping it, the slot
+    chosen by the host; the tokens are generate's."""
     gathered, selected = [], []
 
     class Recording(Engine):
@@ -121,22 +123,23 @@ def test_a_compressed_prompt_never_gathers(demo, policy):
     engine = Recording(demo, num_pages=200, page_size=4, token_budget=64, chunk=16)
     rng = random.Random(4)
     prompt = [rng.randrange(3, demo.config.vocab_size) for _ in range(64)]
-    [toks] = engine.generate([prompt], max_new_tokens=4, kv_policy=policy)
+    [toks] = engine.generate([prompt], max_new_tokens=30, kv_policy=policy)
     assert gathered == [] and selected == [("req-0", 48, 16)]
-    assert toks == alone(demo, prompt, max_new_tokens=4, kv_policy=policy)
+    assert toks == alone(demo, prompt, max_new_tokens=30, kv_policy=policy)
 
 
-def test_the_selection_through_the_pallas_kernels_matches_generate(demo):
-    """On the "pallas_interpret" backend the flattened step runs the ragged Pallas kernel and
-    the selection the paged window-scores kernels (interpreted): SnapKV's tokens are still
-    generate's (on xla)."""
+@pytest.mark.parametrize("policy", [SNAPKV, RING], ids=["snapkv", "ring"])
+def test_the_selection_through_the_pallas_kernels_matches_generate(demo, policy):
+    """On the "pallas_interpret" backend the flattened step runs the ragged Pallas kernel (a
+    StreamingLLM ring's keys rotated on read in it) and the selection the paged window-scores
+    kernels (interpreted): the tokens are still generate's (on xla)."""
     engine = Engine(demo, num_pages=200, page_size=4, token_budget=64, chunk=16,
                     backend="pallas_interpret")  # fmt: skip
     rng = random.Random(8)
     prompts = [[rng.randrange(3, demo.config.vocab_size) for _ in range(n)] for n in (30, 41)]
-    got = engine.generate(prompts, max_new_tokens=3, kv_policy=SNAPKV, backend="pallas_interpret")
+    got = engine.generate(prompts, max_new_tokens=6, kv_policy=policy, backend="pallas_interpret")
     assert engine.pool.used_pages == 0
-    assert got == [alone(demo, p, max_new_tokens=3, kv_policy=SNAPKV) for p in prompts]
+    assert got == [alone(demo, p, max_new_tokens=6, kv_policy=policy) for p in prompts]
 
 
 def test_a_compressed_request_may_start_from_cached_pages(demo):
@@ -159,18 +162,18 @@ def test_a_compressed_request_may_start_from_cached_pages(demo):
 
 
 def test_no_step_compiles_after_warmup_with_policies(demo):
-    """Warmed for EffiCache (SnapKV's votes, then its gradient pass per prompt bucket) and H2O
-    (its mass write-back): requests of each and of the full cache, at other budgets, compile
-    nothing."""
+    """Warmed for EffiCache (SnapKV's votes, then its gradient pass per prompt bucket), H2O
+    (its mass write-back) and StreamingLLM (the flattened step with rings): requests of each
+    and of the full cache, at other budgets, compile nothing."""
     engine = Engine(demo, num_pages=64, page_size=16, chunk=16, max_running=1, max_model_len=32,
                     attention_mass=True)  # fmt: skip
-    engine.warmup(kv_policies=[H2O(budget=8, recent=2), EffiCache(window=8)])
+    engine.warmup(kv_policies=[H2O(budget=8, recent=2), EffiCache(window=8), RING])
     compiled = (ragged_step, paged_step, paged_select, write_pages, compact, set_rows,
                 write_mass, policy_steps.sensitivity_pass)  # fmt: skip
     before = [f._cache_size() for f in compiled]
     rng = random.Random(1)
     for policy in (EffiCache(budget=0.5, window=8), EffiCache(budget=5, window=8), None,
-                   H2O(budget=6, recent=2)):  # fmt: skip
+                   H2O(budget=6, recent=2), StreamingLLM(budget=7, sink=4)):  # fmt: skip
         prompts = [[rng.randrange(3, 100) for _ in range(rng.randint(9, 20))] for _ in range(2)]
         engine.generate(prompts, max_new_tokens=4, kv_policy=policy)
     assert [f._cache_size() for f in compiled] == before

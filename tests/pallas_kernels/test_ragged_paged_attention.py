@@ -95,6 +95,23 @@ def make_case(rng, q_lens, page, m, dtype, gaps: bool):
     return dict(args, k_pages=k, v_pages=v, **scales)
 
 
+def with_rope(rng, a):
+    """`a` with some rows' keys stored before RoPE (a ring), their sinks and shifts random."""
+    r = len(a["q_len"])
+    raw = rng.random(r) < 0.6
+    raw[:2] = [True, False]
+    sink = rng.integers(0, 5, r).astype(np.int32)
+    shift = rng.integers(0, 30, r).astype(np.int32)
+    inv_freq = (1e4 ** -(np.arange(H // 2) * 2 / H)).astype(np.float32)
+    return {**a, "rope": (raw, sink, shift, inv_freq)}
+
+
+def rotated(x, rank, inv_freq):
+    """numpy RoPE (rotate-half) of one key `[H]` at `rank`."""
+    ang = np.concatenate([rank * inv_freq, rank * inv_freq]).astype(np.float64)
+    return x * np.cos(ang) + np.concatenate([-x[H // 2 :], x[: H // 2]]) * np.sin(ang)
+
+
 def numpy_reference(a, window=None):
     """The maths of the module docstring, one query at a time, in float64."""
     q = np.asarray(a["q"], np.float64)
@@ -118,7 +135,12 @@ def numpy_reference(a, window=None):
                     ok &= a["q_positions"][t] - pos < window
                 if not ok.any():
                     continue
-                kk = np.stack([k[pg, o] for pg, o in zip(pages, offs, strict=True)])[ok]
+                kk = np.stack([k[pg, o] for pg, o in zip(pages, offs, strict=True)])
+                if a.get("rope") is not None and a["rope"][0][r]:
+                    _, sink, shift, inv_freq = a["rope"]
+                    ranks = np.where(pos < sink[r], pos, pos - shift[r])
+                    kk = np.stack([rotated(x, y, inv_freq) for x, y in zip(kk, ranks, strict=True)])
+                kk = kk[ok]
                 vv = np.stack([v[pg, o] for pg, o in zip(pages, offs, strict=True)])[ok]
                 for g in range(G):
                     z = kk @ q[t, kv * G + g] * H**-0.5
@@ -195,6 +217,37 @@ def test_pallas_kernel_matches_the_reference(rng, rel_err, q_lens, page, m, dtyp
     assert rel_err(out[:t], ref[:t]) < tol
     zero = ragged_paged_attention(**a, sliding_window=window, q_tile=4, interpret=True)
     assert np.all(np.asarray(zero)[t:] == 0)  # tokens of no row, as the reference says
+
+
+@pytest.mark.parametrize("dtype", ["f32", "fp8"])
+def test_ring_keys_are_rotated_on_read(rng, rel_err, dtype):
+    """Rows whose keys are stored before RoPE (StreamingLLM's rings) are rotated on read at
+    their rank in the cache (pos below the sinks, else pos - shift), by the XLA path and the
+    Pallas kernel, as the numpy loop does; the other rows are read as they are stored."""
+    a = with_rope(rng, make_case(rng, [1, 1, 6, 1, 3], 4, 5, dtype, True))
+    ref = ragged_paged_attention_reference(**a)
+    assert rel_err(ref, numpy_reference(a)) < 1e-5
+    assert rel_err(ref, ragged_paged_attention_reference(**{**a, "rope": None})) > 1e-2
+    n_dec = 3
+    order = np.argsort([n != 1 for n in a["q_len"]], kind="stable")
+    b = {**a, "rope": tuple(x[order] for x in a["rope"][:3]) + (a["rope"][3],)}
+    for name in ("page_table", "lengths", "q_start", "q_len", "gaps"):
+        b[name] = a[name][order]
+    out = ragged_paged_attention_xla(**b, num_decode=n_dec, num_rows=5, q_tile=4, row_tile=2,
+                                     pages_per_step=2)  # fmt: skip
+    assert rel_err(out, ref) < 1e-5
+    got = ragged_paged_attention(**a, q_tile=4, interpret=True, _fill=float("nan"))
+    t = int(np.sum(a["q_len"]))
+    assert rel_err(np.asarray(got)[:t], np.asarray(ref)[:t]) < {"f32": 1e-5, "fp8": 1e-2}[dtype]
+
+
+def test_ring_rotation_lowers_for_cuda(rng, lower_for_cuda):
+    a = with_rope(rng, make_case(rng, [1, 1, 9, 1], 8, 4, "bf16", True))
+    a["q"] = jnp.asarray(a["q"]).astype(jnp.bfloat16)
+    a = {name: (jnp.asarray(x) if isinstance(x, np.ndarray) else x) for name, x in a.items()}
+    a["rope"] = tuple(jnp.asarray(x) for x in a["rope"])
+    text = lower_for_cuda(functools.partial(ragged_paged_attention, interpret=False), **a)
+    assert "jkv_ragged_paged_attention" in text
 
 
 @pytest.mark.parametrize("dtype, gaps, window", [("bf16", True, None), ("fp8", True, 64)])
