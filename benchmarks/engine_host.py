@@ -5,10 +5,12 @@ pages of 16 tokens), 64 rows decoding after prompts of 2K and 16K tokens.
     python benchmarks/engine_host.py            # prints the table, writes results/engine_host.json
 
 Each row is prefilled through the real scheduler first (a stand-in 'model' samples token 7);
-then `--steps` decode steps are timed: `schedule()`, packing (`runner.pack`, and the per-row
-sampling settings the engine builds) and `finish_step()`. The same script runs on the code
-before engine core v2 (commit 03c7c01: one page table per (layer, kv head)), where `pack` took
-(rows, layers, kv heads, page size, chunk); it detects which it has.
+then `--steps` decode steps are timed: `schedule()`, packing (`ragged.pack_ragged`, the
+flattened step's, and the per-row sampling settings the engine builds) and `finish_step()`.
+The same script runs on the code before engine core v2 (commit 03c7c01: one page table per
+(layer, kv head)), where `runner.pack` took (rows, layers, kv heads, page size, chunk); it
+detects which it has (between the two, a version packed for the gathering step,
+`runner.pack`, which is gone).
 """
 
 from __future__ import annotations
@@ -52,7 +54,9 @@ def setup(rows: int, prompt: int, new_tokens: int):
 
 def packed(plan, tables, group, chunk=2048):
     if NEW:
-        return runner.pack(plan.scheduled, tables, group, chunk)
+        from jkv.engine.ragged import pack_ragged
+
+        return pack_ragged(plan.scheduled, tables, group, PAGE)
     return runner.pack(plan.scheduled, LAYERS, KV_HEADS, PAGE, chunk)
 
 

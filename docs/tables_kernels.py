@@ -138,6 +138,9 @@ def headline(results):
                 mode="aware", context=512, facts=4)  # fmt: skip
     real = one(load(results, "quality_real_1k_single_tuned")["rows"], kind="needle", ratio=0.1,
                mode="aware")  # fmt: skip
+    kvzip = load(results, "quality_real_kvzip_1k")["rows"]
+    zip_jkv, zip_peer = (one(kvzip, kind="needle", who=who, ratio=0.25, mode="agnostic")
+                         for who in ("jkv", "kvpress"))  # fmt: skip
     offline = one(
         load(results, "engine_offline")["rows"], system="jkv.Engine (continuous batching)"
     )
@@ -168,5 +171,8 @@ def headline(results):
          f"{num(tuned['accuracy'], 2)} (full cache 1.00)", "docs/quality.md"],
         ["SnapKV 10% (window 16, max-pool 21), SmolLM2 needle in 1K tokens, query-aware",
          f"{real['right']}/{real['n']}", "docs/quality.md"],
+        ["KVzip 25%, SmolLM2 needle in 1K tokens, before the question (kvpress's KVzip beside)",
+         f"{zip_jkv['right']}/{zip_jkv['n']} ({zip_peer['right']}/{zip_peer['n']})",
+         "docs/quality.md"],
     ]  # fmt: skip
     return md(["figure", "value", "measured in"], [[a, b, f"[{c}]({c})"] for a, b, c in rows])

@@ -73,23 +73,43 @@ def quality_snapkv100(results):
     return md(["policy", "kept", "mode", f"exact match ({d['docs']} prompts)"], rows)
 
 
+# quality_real's runs, in the order the docs tell them
+QUALITY_REAL = ("quality_real_1k_single", "quality_real_1k_single_tuned", "quality_real_kvzip_1k",
+                "quality_real_2k_tuned", "quality_real_kvzip_2k", "quality_real_pairs_1k",
+                "quality_real_multikey_1k")  # fmt: skip
+
+
+def _verdict(a: dict, b: dict) -> str:
+    """Level, ahead or behind beyond one standard error of the difference (quality_real.py's)."""
+    diff = a["rate"] - b["rate"]
+    if abs(diff) <= (a["se"] ** 2 + b["se"] ** 2) ** 0.5:
+        return "level"
+    return "ahead" if diff > 0 else "behind"
+
+
 @table("quality_real")
 def quality_real(results):
-    rows = []
-    for stem in ("quality_real_1k_single", "quality_real_1k_single_tuned"):
+    rows, full = [], set()
+    for stem in QUALITY_REAL:
+        if not (results / f"{stem}.json").exists():
+            continue
         got = [r for r in load(results, stem)["rows"] if r["kind"] == "needle"]
         for r in got:
-            if r["who"] != "jkv" or (stem.endswith("tuned") and r["policy"] == "full"):
+            key = (r["task"], r["context"])
+            if r["who"] != "jkv" or (r["policy"] == "full" and key in full):
                 continue
+            if r["policy"] == "full":
+                full.add(key)
             peer = [p for p in got if p["who"] == "kvpress" and p["policy"] == r["policy"]]
             peer = [p for p in peer if p["ratio"] == r["ratio"] and p["mode"] == r["mode"]]
             jkv_cell = f"{r['right']}/{r['n']} ({num(r['rate'], 2)} ± {num(r['se'], 2)})"
             peer_cell = f"{peer[0]['right']}/{peer[0]['n']}" if peer else "—"
+            side = _verdict(r, peer[0]) if peer else "—"
             kept = pct(r["ratio"])
-            rows.append(
-                [r["task"], r["context"], r["policy"], kept, r["mode"], jkv_cell, peer_cell]
-            )
-    header = ["task", "context", "policy", "kept", "mode", "jkv right (rate ± s.e.)", "kvpress"]
+            rows.append([r["task"], r["context"], r["policy"], kept, r["mode"], jkv_cell,
+                         peer_cell, side])  # fmt: skip
+    header = ["task", "context", "policy", "kept", "mode", "jkv right (rate ± s.e.)", "kvpress",
+              "jkv vs kvpress"]  # fmt: skip
     return md(header, rows)
 
 

@@ -15,6 +15,7 @@ Layout (as `ragged_paged_attention`'s; a page holds ONE kv head's `page_size` to
 Maths, for row r, kv head k, query t of the row, query head n = k*G + g:
 
     visible(i)   = i < len[r,k] and pos[i] <= q_pos[t]
+                   (and q_pos[t] - pos[i] < window, with a sliding window)
     z[t,g,i]     = sm_scale * q[t,n] . K[i]             (K[i] decoded: bits x scale under FP8)
     score[r,k,i] = sum_{t,g} softmax_visible(z[t,g,:])[i]       (0 at and past the length)
     out[r,k]     = pool(score[r,k]) along the slots: `window_scores`'s pooling (avg or max,
@@ -78,10 +79,10 @@ def _owner(t, q_start, q_len):
     return jnp.argmax(mine, axis=1), jnp.any(mine, axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("pool", "kernel_size", "sm_scale"))
+@functools.partial(jax.jit, static_argnames=("pool", "kernel_size", "sm_scale", "window"))
 def paged_window_scores_reference(
     q, k_pages, page_table, lengths, q_start, q_len, q_positions, pos_pages, *, k_scale=None,
-    pool="avg", kernel_size=7, sm_scale=None,
+    pool="avg", kernel_size=7, sm_scale=None, window=None,
 ):  # fmt: skip
     """Float32 reference: each row's pages gathered into a dense copy. Returns `[R, K, M * page]`
     float32."""
@@ -101,6 +102,8 @@ def paged_window_scores_reference(
     row, owned = _owner(t, q_start, q_len)
     kk, pp = dense_k[row], dense_pos[row]  # [T, K, S, ...]
     vis = (jnp.arange(s) < lengths[row][..., None]) & (pp <= q_positions[:, None, None])
+    if window is not None:
+        vis &= q_positions[:, None, None] - pp < window
     vis &= owned[:, None, None]  # [T, K, S]
     qg = q.astype(jnp.float32).reshape(t, kh, n // kh, h)
     z = jnp.einsum("tkgh,tksh->tkgs", qg, jnp.where(vis[..., None], kk, 0.0),
@@ -115,11 +118,13 @@ def paged_window_scores_reference(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("pool", "kernel_size", "sm_scale", "q_tile", "pages_per_step")
+    jax.jit,
+    static_argnames=("pool", "kernel_size", "sm_scale", "window", "q_tile", "pages_per_step"),
 )
 def paged_window_scores_xla(
     q, k_pages, page_table, lengths, q_start, q_len, q_positions, pos_pages, *, k_scale=None,
-    pool="avg", kernel_size=7, sm_scale=None, q_tile: int = 64, pages_per_step: int = 8,
+    pool="avg", kernel_size=7, sm_scale=None, window=None, q_tile: int = 64,
+    pages_per_step: int = 8,
 ):  # fmt: skip
     """The XLA path: row by row, `q_tile` of its queries at a time, two passes over its own
     key blocks of `pages_per_step` pages (softmax statistics, then the probabilities summed
@@ -155,6 +160,8 @@ def paged_window_scores_xla(
         kb, pos, stored = block(r, j)
         z = jnp.einsum("qkgh,ksh->kgqs", qt, kb) * scale  # [K, G, Q, bs]
         vis = stored[:, None, :] & (pos[:, None, :] <= qp[None, :, None]) & live[None, :, None]
+        if window is not None:
+            vis &= qp[None, :, None] - pos[:, None, :] < window
         return jnp.where(vis[:, None], z, -jnp.inf), vis
 
     def row_scores(r, out):
@@ -227,7 +234,7 @@ def _key_block(k_ref, ks_ref, table_ref, pos_ref, i, length, *, block_s, page_si
 
 
 def paged_stats_kernel(*refs, n_heads, q_tile, page_size, block_s, sm_scale, compute_dtype,
-                       fp8):  # fmt: skip
+                       fp8, window):  # fmt: skip
     refs = list(refs)
     q_ref = refs.pop(0)  # [T, N, H] every query token (gathered by address)
     k_ref = refs.pop(0)  # [P, page_size, H] the key pool; uint8 bits when FP8
@@ -258,6 +265,8 @@ def paged_stats_kernel(*refs, n_heads, q_tile, page_size, block_s, sm_scale, com
                                     block_s=block_s, page_size=page_size, fp8=fp8)  # fmt: skip
         z = bk.dot(q, kb.astype(compute_dtype), trans_b=True) * sm_scale
         keep = valid[None, :] & (pos[None, :] <= qpos[:, None]) & row_ok[:, None]
+        if window:
+            keep = keep & (qpos[:, None] - pos[None, :] < window)
         z = jnp.where(keep, z, -jnp.inf)
         new = jnp.maximum(mx, z.max(axis=1))
         use = jnp.where(new == -jnp.inf, 0.0, new)
@@ -271,7 +280,7 @@ def paged_stats_kernel(*refs, n_heads, q_tile, page_size, block_s, sm_scale, com
 
 
 def paged_probs_kernel(*refs, n_heads, q_tile, page_size, block_s, sm_scale, compute_dtype,
-                       fp8):  # fmt: skip
+                       fp8, window):  # fmt: skip
     refs = list(refs)
     q_ref = refs.pop(0)  # [T, N, H] every query token
     k_ref = refs.pop(0)  # [P, page_size, H] the key pool
@@ -311,6 +320,8 @@ def paged_probs_kernel(*refs, n_heads, q_tile, page_size, block_s, sm_scale, com
             inv = jnp.where(lsum > 0, 1.0 / jnp.where(lsum > 0, lsum, 1.0), 0.0)
             z = bk.dot(q, kb, trans_b=True) * sm_scale
             keep = valid[None, :] & (pos[None, :] <= qpos[:, None]) & row_ok[:, None]
+            if window:
+                keep = keep & (qpos[:, None] - pos[None, :] < window)
             p = jnp.where(keep, jnp.exp(z - mx[:, None]) * inv[:, None], 0.0)
             return acc + p.sum(axis=0)
 
@@ -331,13 +342,13 @@ def paged_probs_kernel(*refs, n_heads, q_tile, page_size, block_s, sm_scale, com
 
 @functools.partial(
     jax.jit,
-    static_argnames=("pool", "kernel_size", "sm_scale", "q_tile", "pages_per_block", "num_warps",
-                     "num_stages", "backend", "interpret", "_fill"),
+    static_argnames=("pool", "kernel_size", "sm_scale", "window", "q_tile", "pages_per_block",
+                     "num_warps", "num_stages", "backend", "interpret", "_fill"),
 )  # fmt: skip
 def paged_window_scores(
     q, k_pages, page_table, lengths, q_start, q_len, q_positions, pos_pages, *, k_scale=None,
-    pool: str = "avg", kernel_size: int = 7, sm_scale: float | None = None, q_tile: int = 16,
-    pages_per_block: int | None = None, num_warps: int = 4, num_stages: int = 2,
+    pool: str = "avg", kernel_size: int = 7, sm_scale: float | None = None, window=None,
+    q_tile: int = 16, pages_per_block: int | None = None, num_warps: int = 4, num_stages: int = 2,
     backend: str = "triton", interpret: bool | None = None, _fill: float = 0.0,
 ):  # fmt: skip
     """The Pallas kernels: statistics over the grid (R rows, K kv heads, query tiles), each
@@ -397,7 +408,7 @@ def paged_window_scores(
         return args, specs
 
     kw = dict(n_heads=n // kh, q_tile=q_tile, page_size=page_size, block_s=block_s,
-              sm_scale=scale, compute_dtype=compute_dtype, fp8=fp8)  # fmt: skip
+              sm_scale=scale, compute_dtype=compute_dtype, fp8=fp8, window=window)  # fmt: skip
     params = bk.compiler_params(num_warps, num_stages)
     args, specs = inputs(True)
     stat = jax.ShapeDtypeStruct((t + 1, n), jnp.float32)

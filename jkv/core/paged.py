@@ -36,6 +36,21 @@ from jkv_models.llama import rope
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class MassRows:
+    """H2O's rows in a step: their queries add the attention they pay each slot to its mass in
+    the pool, and a full ring's token overwrites each head's lightest slot (`evict`, the rule
+    the engine hands `make_paged_attention`), the rule's settings per row."""
+
+    on: jax.Array  # [R] bool the row's queries add mass (an H2O row)
+    evict: jax.Array  # [R] bool its ring is full: its token goes where the rule says, per head
+    limit: jax.Array  # [R] int32 its ring's slots
+    recent: jax.Array  # [R] int32 H2O's protected recent window
+    protect: jax.Array  # [R] int32 its first tokens protected under scorer="importance"
+    importance: jax.Array  # [R] bool scorer="importance"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class PagedRows:
     """Where the step's rows and tokens live (host numpy, traced in the step)."""
 
@@ -54,6 +69,7 @@ class PagedRows:
     raw: jax.Array | None = None  # [R] bool
     sink: jax.Array | None = None  # [R] int32
     shift: jax.Array | None = None  # [R] int32
+    mass: MassRows | None = None  # H2O's rows, None when the step has none
 
 
 def local_pages(pages, first) -> jax.Array:
@@ -89,6 +105,55 @@ def head_layout(pool, rows: PagedRows, heads, first=0):
     return jnp.transpose(table, (0, 2, 1)), lengths, gaps
 
 
+def head_slots(pool, rows: PagedRows, heads, first=0):
+    """(`[R, K, S]` pool token of every slot of each row's kv heads `heads` (S = M * page, out of
+    range where the table has no page), `[R, K]` the slots below which they hold tokens after
+    the step) of rows that are uncompressed or rings (H2O's)."""
+    page = pool["k"].shape[1]
+    table = local_pages(pool["block_pages"][rows.tables][:, :, heads], first)  # [R, M, K]
+    slot = jnp.arange(table.shape[1] * page)
+    at = jnp.transpose(table, (0, 2, 1))[:, :, slot // page] * page + slot % page
+    lengths = jnp.where(rows.n_prefix[:, None] > 0, rows.base[:, heads], rows.held[:, None])
+    return at, lengths
+
+
+def accumulate_mass(pool, rows: PagedRows, heads, first, q, positions, kernels, window):
+    """The pool with the attention H2O rows' queries (`q` `[T, N, H]` rotated, at `positions`
+    `[T]`) pay each of their slots added to its mass (after the step's writes)."""
+    mr = rows.mass
+    at, lengths = head_slots(pool, rows, heads, first)
+    page = pool["k"].shape[1]
+    table = at[:, :, ::page] // page  # [R, K, M] the pages
+    mass = kernels.paged_window_scores(
+        q, pool["k"], table, lengths, rows.q_start, jnp.where(mr.on, rows.q_len, 0), positions,
+        pool["positions"], k_scale=pool.get("k_scale"), pool="avg", kernel_size=1,
+        window=window,
+    )  # fmt: skip
+    live = (jnp.arange(at.shape[2]) < lengths[..., None]) & mr.on[:, None, None]
+    flat = pool["mass"].reshape(-1)
+    flat = flat.at[jnp.where(live, at, flat.shape[0])].add(mass, mode="drop")
+    return {**pool, "mass": flat.reshape(pool["mass"].shape)}
+
+
+def evicting_pages(pool, rows: PagedRows, heads, first, at, positions, evict):
+    """`at` `[T, K]` with the token of each full H2O ring sent to the slot `evict` chooses per
+    head (the rule over the ring's positions and masses before the write)."""
+    mr = rows.mass
+    slots, lengths = head_slots(pool, rows, heads, first)
+    flat = lambda name: pool[name].reshape(-1)  # noqa: E731
+    valid = jnp.arange(slots.shape[2]) < lengths[..., None]
+    view = kvlib.LayerKV(k=None, v=None, lengths=lengths,
+                         positions=jnp.where(valid, flat("positions")[slots], -1),
+                         scores=jnp.where(valid, flat("mass")[slots], 0.0))  # fmt: skip
+    q_pos = positions[jnp.minimum(rows.q_start, positions.shape[0] - 1)]  # a ring's one token
+    chosen = evict(view, q_pos, mr.limit, recent=mr.recent, protect=mr.protect,
+                   importance=mr.importance)  # [R, K]  # fmt: skip
+    chosen_at = jnp.take_along_axis(slots, chosen[..., None], axis=-1)[..., 0]
+    r = jnp.minimum(rows.tok_row, rows.tables.shape[0] - 1)
+    moved = mr.evict[r] & (rows.tok_row < rows.tables.shape[0])
+    return jnp.where(moved[:, None], chosen_at[r], at)
+
+
 def write_tokens(pool, at, k, v, positions, kv_dtype: str):
     """The new tokens (`k`, `v` `[T, K, H]`, `positions` `[T]`) written at pool tokens `at`
     `[T, K]`; fp8 storage gets one bfloat16 scale per token (`kv_quantize`'s rule)."""
@@ -113,7 +178,7 @@ def write_tokens(pool, at, k, v, positions, kv_dtype: str):
 
 def make_paged_attention(
     state: dict, rows: PagedRows, *, config, backend: str, kv_dtype: str, mesh=None,
-    write: bool = True,
+    write: bool = True, evict=None,
 ):  # fmt: skip
     """The per-layer callable the model calls on the flattened step: rotate q and k at their
     positions, write k and v into the pool `state["pool"]` (replaced by the updated pool), attend
@@ -121,7 +186,8 @@ def make_paged_attention(
     pool is sharded over kv heads on its "model" axis; each device runs its own heads.
     `write=False`: the tokens are in the pool already (a second pass over some of them, the
     engine's selection); nothing is written, and each layer's rotated queries `[T, N, H]` are
-    appended to `state["q"]`."""
+    appended to `state["q"]`. `evict`: H2O's slot rule (`jkv.policies.h2o.lightest_slots`),
+    for a step with H2O's rows (`rows.mass`), whose queries also add to the pool's mass."""
     kernels = ops(backend)
     inv_freq = jnp.asarray(config.inv_freq())
 
@@ -149,6 +215,12 @@ def make_paged_attention(
         first = d * pool["k"].shape[0]
         if write:
             at = token_pages(pool, rows, heads, first)
+            if rows.mass is not None:  # full H2O rings: each head's lightest slot; fresh mass
+                at = evicting_pages(pool, rows, heads, first, at, positions[0], evict)
+                on = rows.mass.on[jnp.minimum(rows.tok_row, rows.tables.shape[0] - 1)]
+                drop = pool["mass"].size
+                mass = pool["mass"].reshape(-1).at[jnp.where(on[:, None], at, drop)]
+                pool = {**pool, "mass": mass.set(0.0, mode="drop").reshape(pool["mass"].shape)}
             pool = write_tokens(pool, at, k, v[0], positions[0], kv_dtype)
         table, lengths, gaps = head_layout(pool, rows, heads, first)
         out = kernels.ragged_attention(
@@ -157,6 +229,9 @@ def make_paged_attention(
             k_scale=pool.get("k_scale"), v_scale=pool.get("v_scale"),
             sliding_window=config.sliding_window, rope=rope_args,
         )  # fmt: skip
+        if write and rows.mass is not None:
+            pool = accumulate_mass(pool, rows, heads, first, q, positions[0], kernels,
+                                   config.sliding_window)  # fmt: skip
         return out[None], pool
 
     def attention(layer, q, k, v, positions, cache):

@@ -4,9 +4,9 @@ each row that samples, and the next step is scheduled and packed while the devic
 this one; its decode rows take their input token from this step's output on the device
 (`ragged_step`'s `last_tok`). The host reads a step's tokens after dispatching the next
 (`_read_back`): an eos or a stop string found then ends the request one step late, the token
-computed for it in the meantime thrown away. Steps that need the host between them (a prompt a
-policy compresses, an evicting policy's ring) read back first and run as before, as does a group
-of processes (`lockstep`), whose followers replay the steps."""
+computed for it in the meantime thrown away. Steps that need the host between them (the end of
+a prompt a policy compresses) read back first and run as before, as does a group of processes
+(`lockstep`), whose followers replay the steps."""
 
 from __future__ import annotations
 
@@ -42,15 +42,12 @@ class AsyncSteps:
         )
 
     def _overlaps(self, plan) -> bool:
-        """Whether `plan` can run ahead of the host: every row on the flattened step, none
-        ending a prompt its policy compresses (the compaction needs the host)."""
+        """Whether `plan` can run ahead of the host: no row ends a prompt its policy compresses
+        (the compaction needs the host)."""
         return (
             self.async_scheduling
             and self.lockstep is None
-            and all(
-                self._policy_key(r) is None and not self._ends_compression(r)
-                for r in plan.scheduled
-            )
+            and not any(self._ends_compression(r) for r in plan.scheduled)
         )
 
     def _ahead(self, plan) -> Ahead:

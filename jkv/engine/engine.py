@@ -28,10 +28,10 @@ then the policy selects over the pool (`jkv.engine.select`: its window votes thr
 table; EffiCache's head sensitivity comes from one gradient pass over the whole prompt), then
 each head's kept tokens move into the fewest pages and the rest go back to the pool.
 StreamingLLM and H2O compress the same way at the prompt's end, then keep a ring of their
-budget's slots: each new token overwrites the oldest non-sink one (StreamingLLM, on the
-flattened step, the slot chosen by the host, `Sequence.ring_write`) or the lightest by
-attention mass outside the recent window (H2O, on the gathering step; its mass per stored
-token lives in the pool: `Engine(attention_mass=True)`). The segment rebuild and KVzip stay on
+budget's slots: each new token overwrites the oldest non-sink one (StreamingLLM, the slot
+chosen by the host, `Sequence.ring_write`) or, per head, the lightest by attention mass outside
+the recent window (H2O, chosen in the step; every query of an H2O row adds the attention it pays
+to the mass of each slot, a float32 per stored token in the pool: `Engine(attention_mass=True)`). The segment rebuild and KVzip stay on
 the one-shot path (ValueError here). The kv dtype (float32, bfloat16, or fp8 with a bfloat16
 scale per token) is one per engine.
 
@@ -305,6 +305,8 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
                 seq.keep = min(seq.limit, len(ids) + req.max_new_tokens)
             seq.cacheable = not policy.wants_mass
             seq.raw_sink = policy.sink if policy.raw_keys else None
+            if policy.wants_mass:  # H2O: the settings its eviction rule takes per row
+                seq.mass_rule = (policy.recent, policy.protect, policy.scorer == "importance")
         return seq
 
     def _check_policy(self, policy) -> None:
@@ -436,31 +438,19 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
         self._sync_rows()
 
     def _run_step(self, plan) -> list[RequestOutput]:
-        """Runs `plan` and reads its tokens back before returning (the steps policies shape,
-        and every step without async scheduling)."""
+        """Runs `plan` and reads its tokens back before returning (a step that ends a prompt a
+        policy compresses, and every step without async scheduling)."""
         self._start(plan)
         sampled: dict[str, int] = {}
         kept: dict[str, tuple] = {}  # what a policy keeps of prompts that end in this step
-        flat, groups = [], {}  # rows on the flattened step; the rings by their policy
-        ending = {}  # rows whose prompt a select-once policy compresses after the step
+        ending = {}  # rows whose prompt a policy compresses after the step, by the policy
         for r in plan.scheduled:
-            key = self._policy_key(r)
-            if key is None:
-                flat.append(r)
-                if self._ends_compression(r):
-                    policy = self._rows[r.seq.request_id].req.policy
-                    ending.setdefault(policy.jit_key(), []).append(r)
-                continue
-            # One token per row (a decode step) unless a ring is still to take its prompt:
-            # that step must be a prompt step (a ring appends, not evicts)
-            one = r.n == 1 and not (r.seq.compresses and not r.seq.compressed)
-            groups.setdefault((one, key), []).append(r)
-        if flat:
-            sampled.update(self._run_flat(order(flat)))
+            if self._ends_compression(r):
+                policy = self._rows[r.seq.request_id].req.policy
+                ending.setdefault(policy.jit_key(), []).append(r)
+        sampled.update(self._run_flat(order(plan.scheduled)))
         for key, rows in ending.items():
             self._select(rows, key, kept)
-        for (_, key), rows in groups.items():
-            sampled.update(self._run(rows, key, kept))
         # before any frees: prefix-cache hits and pages held
         cached = {r.seq.request_id: r.seq.num_cached for r in plan.scheduled}
         held = {r.seq.request_id: r.seq.pages for r in plan.scheduled}
@@ -516,7 +506,7 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
         return SamplingArrays.build([q.sampling for q in reqs], [q.seed for q in reqs]), index
 
     def _run_flat(self, scheduled) -> dict[str, int]:
-        """The rows that need no policy this step, in one flattened step over the pool."""
+        """The step's rows, in one flattened step over the pool."""
         tok = to_host(self._dispatch_flat(scheduled))
         return {r.seq.request_id: int(tok[i]) for i, r in enumerate(scheduled) if r.samples}
 

@@ -1,8 +1,7 @@
-"""The rows a KV policy shapes (mixed into `Engine`): a prompt a select-once policy compresses
-runs on the flattened step, then its selection runs over the pool (`_select`, `jkv.engine.
-select`) and is made physical (`_compress`); the rings of evicting policies run the gathering
-step (`runner.paged_step`: each row's pages in a dense copy, whose rules the policies are
-written over)."""
+"""The prompts a KV policy compresses (mixed into `Engine`): they run on the flattened step like a
+full cache's; after the step that ends one, its policy selects over the pool (`_select`,
+`jkv.engine.select`) and the selection is made physical (`_compress`): each head's kept tokens
+in the fewest pages, a ring (StreamingLLM, H2O) in its budget's slots."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ import jax
 import numpy as np
 
 from jkv import kv as kvlib
-from jkv.engine.runner import compact, pack, paged_step, write_mass, write_pages
+from jkv.engine.runner import compact
 from jkv.engine.select import pack_select, paged_select
 from jkv.policies.efficache import head_sensitivity
 from jkv.sharding import to_host
@@ -18,29 +17,12 @@ from jkv.sharding import to_host
 sensitivity_pass = jax.jit(head_sensitivity, static_argnames=("config",))
 
 
-def _gathers(policy) -> bool:
-    """Whether `policy`'s rows run the gathering step (H2O: its slot choice needs the attention
-    mass every query adds, which the ragged kernels do not return)."""
-    return policy is not None and policy.evicts and policy.wants_mass
-
-
 class PolicySteps:
-    def _policy_key(self, r):
-        """The policy a step of `r` runs the gathering step with (None: the flattened step):
-        H2O's, in every step (its eviction needs the attention mass each query adds)."""
-        policy = self._rows[r.seq.request_id].req.policy
-        return policy.jit_key() if _gathers(policy) else None
-
     def _ends_compression(self, r) -> bool:
         """Whether `r`'s step (on the flattened step) ends a prompt its policy compresses (its
         selection follows the step, `_select`)."""
         policy = self._rows[r.seq.request_id].req.policy
-        return (
-            policy is not None
-            and not _gathers(policy)
-            and not r.seq.compressed
-            and r.start + r.n == len(r.seq.prompt)
-        )
+        return policy is not None and not r.seq.compressed and r.start + r.n == len(r.seq.prompt)
 
     def _select(self, ending, policy, kept) -> None:
         """The selection of `policy` (a jit key) over the pool for rows whose prompt ended in
@@ -63,49 +45,11 @@ class PolicySteps:
             budgets, sensitivity, backend=self.backend, dtype=self.kv_dtype, policy=policy,
         )  # fmt: skip
         counts = to_host(counts)
-        first = to_host(first) if policy.evicts else None  # a ring's positions, slot by slot
+        first = to_host(first) if policy.raw_keys else None  # StreamingLLM's ring positions
         for i, r in enumerate(ending):
             c = counts[i].reshape(-1).tolist()
             ring = None if first is None else first[i, : c[0]].tolist()
             kept[r.seq.request_id] = (src, i, c, ring)
-
-    def _run(self, scheduled, policy, kept) -> dict[str, int]:
-        cfg = self.params.config
-        rows, tokens, n_new, start = pack(
-            scheduled, self.rows, self.scheduler.group, self.scheduler.chunk
-        )
-        b = len(n_new)
-        reqs = [self._rows[r.seq.request_id].req for r in scheduled]
-        budgets = np.zeros((b,), np.int32)
-        limits = np.full((b,), kvlib.NO_LIMIT, np.int32)
-        limits[: len(scheduled)] = [
-            kvlib.NO_LIMIT if r.seq.limit is None else r.seq.limit for r in scheduled
-        ]
-        ending = [i for i, r in enumerate(scheduled) if r.start + r.n == len(r.seq.prompt)]
-        sensitivity = None
-        if policy is not None:
-            budgets[: len(scheduled)] = [
-                q.policy.budget_tokens(len(r.seq.prompt))
-                for q, r in zip(reqs, scheduled, strict=True)
-            ]
-            if policy.needs_sensitivity:
-                sensitivity = self._sensitivity(scheduled, ending, b)
-        sampling, index = self._sampling(scheduled, b)
-        tok, writes, selection, mass = paged_step(
-            self.params.weights, cfg, self.device, rows, tokens, n_new, start, sampling,
-            index, budgets, limits, sensitivity, backend=self.backend, dtype=self.kv_dtype,
-            policy=policy,
-        )  # fmt: skip
-        self.device = write_pages(self.device, writes)
-        if mass is not None:
-            self.device = write_mass(self.device, *mass)
-        if selection is not None and ending:
-            src, counts = selection
-            counts = to_host(counts)
-            for i in ending:
-                kept[scheduled[i].seq.request_id] = (src, i, counts[i].reshape(-1).tolist(), None)
-        tok = to_host(tok)
-        return {r.seq.request_id: int(tok[i]) for i, r in enumerate(scheduled) if r.samples}
 
     def _sensitivity(self, rows, ending, b: int) -> np.ndarray:
         """`[b, L, K]` float32: EffiCache's head sensitivity of each row whose prompt ends in

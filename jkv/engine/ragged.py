@@ -1,18 +1,19 @@
-"""The engine's one step over the pool in place: every scheduled row that needs no policy of its
-own this step (the full cache, and compressed prompts once their policy has compressed them),
-decoding or prefilling, as ONE flattened batch of tokens through THE model (`jkv.core.step.
-flat_step`), whose layers write the new K and V into their pages and attend through each row's
-page table (`jkv.core.paged`). The pool is donated: the step updates it in place.
+"""The engine's one step over the pool in place: every scheduled row, decoding or prefilling,
+as ONE flattened batch of tokens through THE model (`jkv.core.step.flat_step`), whose layers
+write the new K and V into their pages and attend through each row's page table
+(`jkv.core.paged`). The pool is donated: the step updates it in place.
 
 Prompts a policy compresses run here like a full cache's; their selection follows over the
-pool (`jkv.engine.select`). StreamingLLM's rows store their keys before RoPE, rotated on read
-at their rank in the cache (`PagedRows.raw`), and once compressed decode into a ring whose slot
-the host chooses (`Sequence.ring_write`: its rule ignores the tokens' content). What stays on
-the gathering path (`runner.paged_step`, a dense copy of each row): H2O, whose eviction needs
-the attention mass every query adds.
+pool (`jkv.engine.select`). StreamingLLM's rows store their keys before RoPE, rotated on read at
+their rank in the cache (`PagedRows.raw`), and once compressed decode into a ring whose slot the
+host chooses (`Sequence.ring_write`: its rule ignores the tokens' content). H2O's rows add the
+attention their queries pay to each slot's mass in the pool, and a full H2O ring's token goes,
+per head, to the slot H2O's rule picks on the device (`PagedRows.mass`). No row's context is
+copied into a dense array.
 
 Compiled shapes: rows and tokens padded to powers of two (`bucket`); the row tables have their
-fixed width, so a step's shape never depends on how long its rows are.
+fixed width, so a step's shape never depends on how long its rows are; a step with StreamingLLM's
+or H2O's rows is a variant of its own (their fields are None otherwise).
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jkv.core.paged import PagedRows, make_paged_attention
+from jkv.core.paged import MassRows, PagedRows, make_paged_attention
 from jkv.core.sampling import SamplingArrays, sample
 from jkv.core.step import flat_step
 from jkv.engine.runner import PagedKV, RowTables, bucket
+from jkv.policies.h2o import lightest_slots
 from jkv_models.config import ModelConfig
 
 
@@ -57,11 +59,13 @@ def ragged_step(
     (`[P]` int32: row r's token sampled at its last one at r < R, the updated pool)."""
     tokens = jnp.where(from_last >= 0, last_tok[jnp.maximum(from_last, 0)], tokens)
     scales = ("k_scale", "v_scale") if pool.k_scale is not None else ()
-    names = ("k", "v", "positions", "block_pages", *scales)
+    mass = ("mass",) if rows.mass is not None else ()  # H2O's rows read and add to it
+    names = ("k", "v", "positions", "block_pages", *scales, *mass)
     state = {"pool": {n: getattr(pool, n) for n in names}}
     attend = make_paged_attention(
-        state, rows, config=config, backend=backend, kv_dtype=dtype, mesh=mesh
-    )
+        state, rows, config=config, backend=backend, kv_dtype=dtype, mesh=mesh,
+        evict=lightest_slots,
+    )  # fmt: skip
     last = rows.q_start + jnp.maximum(rows.q_len - 1, 0)  # [R]
     logits = flat_step(weights, config, tokens, positions, attend, last)  # [R, V]
     tok = sample(logits, sampling, sample_index)
@@ -91,6 +95,9 @@ def pack_ragged(scheduled, row_tables: RowTables, group: int, page: int):
     tokens, positions = np.zeros(t, np.int32), np.zeros(t, np.int32)
     rings = any(r.seq.raw_sink is not None for r in scheduled)
     raw, sink, shift = np.zeros(b, bool), np.zeros(b, np.int32), np.zeros(b, np.int32)
+    heavy = any(r.seq.mass_rule is not None for r in scheduled)
+    on, evict, importance = np.zeros(b, bool), np.zeros(b, bool), np.zeros(b, bool)
+    limit, recent, protect = np.ones(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
     at = 0
     for i, r in enumerate(scheduled):
         seq, n = r.seq, r.n
@@ -100,9 +107,16 @@ def pack_ragged(scheduled, row_tables: RowTables, group: int, page: int):
         held[i] = seq.tail + n
         if seq.raw_sink is not None:
             raw[i], sink[i] = True, seq.raw_sink
-        if seq.ring:  # one token into its ring: every slot in its prefix, no tail
+        if seq.mass_rule is not None:  # H2O: its queries add mass
+            on[i] = True
+            recent[i], protect[i], importance[i] = seq.mass_rule
+        if seq.ring and seq.raw_sink is not None:  # one token into StreamingLLM's ring
             first, count, shift[i] = seq.ring_write(r.start)
             base[i], held[i] = count, 0
+        elif seq.ring:  # H2O's: the next free slot, or (full) each head's lightest, on device
+            before = min(seq.base[0] + seq.tail, seq.limit)
+            evict[i], limit[i] = before >= seq.limit, seq.limit
+            first, base[i], held[i] = before, min(before + 1, seq.limit), 0
         q_start[i], q_len[i] = at, n
         tokens[at : at + n] = seq.token_slice(r.start, n)
         positions[at : at + n] = np.arange(r.start, r.start + n)
@@ -111,6 +125,7 @@ def pack_ragged(scheduled, row_tables: RowTables, group: int, page: int):
         at += n
     num_decode = sum(1 for r in scheduled if r.n == 1)
     ring = (raw, sink, shift) if rings else (None, None, None)
+    mass = MassRows(on, evict, limit, recent, protect, importance) if heavy else None
     rows = PagedRows(tables, base, n_prefix, held, q_start, q_len, tok_row, tok_slot,
-                     np.int32(num_decode), np.int32(len(scheduled)), *ring)  # fmt: skip
+                     np.int32(num_decode), np.int32(len(scheduled)), *ring, mass)  # fmt: skip
     return rows, tokens, positions

@@ -75,7 +75,7 @@ def paged_select(
     e = rows.tables.shape[0]
     s = rows.tables.shape[1] * pool.page_size
     queries = None
-    if policy.observes:
+    if policy.observes and not policy.wants_mass:
         scales = ("k_scale", "v_scale") if pool.k_scale is not None else ()
         state = {"pool": {n: getattr(pool, n) for n in ("k", "v", "positions", "block_pages",
                                                         *scales)}}  # fmt: skip
@@ -93,7 +93,9 @@ def paged_select(
     for layer in range(nl):
         at = token_index(pool, index_rows, layer, kh, dense)  # [E, K, S] pool tokens
         heads = layer * kh + jnp.arange(kh)
-        if policy.observes:
+        if policy.wants_mass:  # H2O: the attention its prompt's queries paid, from the pool
+            scores = jnp.where(dense < lengths[..., None], flat(pool.mass)[at], 0.0)
+        elif policy.observes:
             table = jnp.transpose(pool.block_pages[rows.tables][:, :, heads], (0, 2, 1))
             scores = kernels.paged_window_scores(
                 queries[layer], pool.k, table, lengths, rows.q_start, rows.q_len, positions,

@@ -52,6 +52,7 @@ class Sequence:
     keep: int = 0  # tokens a head holds at most once compressed, generated ones included
     limit: int | None = None  # an evicting policy's slots per head once compressed (a ring)
     raw_sink: int | None = None  # keys stored before RoPE (StreamingLLM): its sink count
+    mass_rule: tuple[int, int, bool] | None = None  # H2O's (recent, protect, importance)
     ring_count: int = 0  # a StreamingLLM ring: slots it holds
     ring_window: collections.deque | None = (
         None  # its (position, slot) past the sinks, oldest first

@@ -1,6 +1,6 @@
 """Compiling every step shape before the first request (mixed into `Engine`), so that no
 request waits for a compile: the flattened step at every (rows, tokens) bucket, and for each KV
-policy asked the gathering step, the compactions and EffiCache's gradient pass."""
+policy asked its selection, the compaction and EffiCache's gradient pass."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import jax
 import numpy as np
 
 from jkv import kv as kvlib
-from jkv.core.paged import PagedRows
+from jkv.core.paged import MassRows, PagedRows
 from jkv.core.sampling import SamplingArrays
 from jkv.engine.policy_steps import sensitivity_pass
 from jkv.engine.ragged import ragged_step
-from jkv.engine.runner import Rows, bucket, compact, paged_step, set_rows, write_mass, write_pages
+from jkv.engine.runner import bucket, compact, set_rows
 from jkv.engine.select import paged_select
 from jkv.policies import resolve
 from jkv.request import Request
@@ -27,45 +27,25 @@ class Warmup:
         the flattened step at every (rows, tokens) bucket (rows: powers of two up to
         max_running; tokens: up to the token budget's); for each of `kv_policies` (names or
         `jkv.policies.KVPolicy` objects; budgets do not matter, they are data) its selection
-        over the pool (rows; StreamingLLM's also the flattened step with its rows) or, for H2O,
-        the gathering step (rows; new tokens 1 or the chunk; blocks per row: powers of two up
-        to max_model_len's), and every compaction;
-        every block-row update size. Returns the seconds it took."""
+        over the pool (rows) and its compaction, and the flattened step with StreamingLLM's
+        or H2O's rows in it; every block-row update size. Returns the seconds it took."""
         t0 = time.perf_counter()
         cfg = self.params.config
         g = self.scheduler.group
         rows = [1 << i for i in range(bucket(self.scheduler.max_running).bit_length())]
-        widths = [1 << i for i in range(bucket(self.rows.width).bit_length())]
         keys = []  # the full cache runs the flattened step only
         for p in kv_policies:
             policy = resolve(p, None) if isinstance(p, str) else p
             self._check_policy(policy)
             keys.append(policy.jit_key())
-        probe = Request.build(self.params)
         z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
-        gathered = [k for k in keys if k.evicts and k.wants_mass]  # H2O; the others select
-        for key, b in itertools.product([k for k in keys if k not in gathered], rows):
+        for key, b in itertools.product(keys, rows):
             self._warm_select(key, b)
-        for key, b, t, m in itertools.product(gathered, rows, (1, self.scheduler.chunk), widths):
-            sampling = SamplingArrays.build([probe.sampling] * b, [probe.seed] * b)
-            sens = None
-            if key.needs_sensitivity:
-                sens = np.zeros((b, cfg.num_layers, cfg.num_kv_heads), np.float32)
-            idle = Rows(z(b, m), z(b, g), z(b), z(b), np.zeros(b, bool))
-            tok, writes, kept, mass = paged_step(
-                self.params.weights, cfg, self.device, idle, z(b, t), z(b), z(b), sampling,
-                z(b), z(b), z(b), sens, backend=self.backend, dtype=self.kv_dtype, policy=key,
-            )  # fmt: skip
-            self.device = write_pages(self.device, writes)  # nothing written: n_new is 0
-            if mass is not None:
-                self.device = write_mass(self.device, *mass)
-            if b == 1:  # one compaction program per dense size
-                self.device = compact(self.device, kept[0][0].reshape(g, -1),
-                                      z(self.rows.width), z(g))  # fmt: skip
-            tok.block_until_ready()
-        self._warm_flat(rows)
-        if any(k.raw_keys for k in keys):  # the flattened step with StreamingLLM's rows in it
-            self._warm_flat(rows, rings=True)
+        # the flattened step with StreamingLLM's rows in it, H2O's, both
+        rings = [False, True] if any(k.raw_keys for k in keys) else [False]
+        heavy = [False, True] if any(k.wants_mass for k in keys) else [False]
+        for ring, mass in itertools.product(rings, heavy):
+            self._warm_flat(rows, rings=ring, mass=mass)
         for n in (1 << i for i in range(bucket(self.pool.num_blocks).bit_length())):
             ids = np.full(n, self.pool.num_blocks, np.int32)  # every row dropped
             self.device = set_rows(self.device, ids, z(n, g))
@@ -99,10 +79,10 @@ class Warmup:
             self.device = compact(self.device, src[0].reshape(g, -1), z(self.rows.width), z(g))
         counts.block_until_ready()
 
-    def _warm_flat(self, rows, rings: bool = False) -> None:
+    def _warm_flat(self, rows, rings: bool = False, mass: bool = False) -> None:
         """The flattened step at every (rows, tokens) bucket a step can have: tokens from the
         rows' count (one each) to the token budget's bucket; `rings`: with rows whose keys are
-        stored before RoPE (`PagedRows.raw`)."""
+        stored before RoPE (`PagedRows.raw`); `mass`: with H2O's rows (`PagedRows.mass`)."""
         cfg, g = self.params.config, self.scheduler.group
         probe = Request.build(self.params)
         most = bucket(self.scheduler.token_budget)
@@ -112,7 +92,9 @@ class Warmup:
                 idle = PagedRows(
                     z(b, self.rows.width), z(b, g), z(b), z(b), z(b), z(b),
                     np.full(t, b, np.int32), z(t), np.int32(0), np.int32(0),
-                    *((np.zeros(b, bool), z(b), z(b)) if rings else ()),
+                    *((np.zeros(b, bool), z(b), z(b)) if rings else (None, None, None)),
+                    MassRows(np.zeros(b, bool), np.zeros(b, bool), np.ones(b, np.int32), z(b),
+                             z(b), np.zeros(b, bool)) if mass else None,
                 )  # fmt: skip
                 sampling = SamplingArrays.build([probe.sampling] * b, [probe.seed] * b)
                 self._last_tok, self.device = ragged_step(

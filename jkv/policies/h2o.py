@@ -50,18 +50,30 @@ class H2O(KVPolicy):
         return keep_recent_and_top(self._scores(layer, now), layer, b, jnp.minimum(self.recent, b))
 
     def write_slots(self, layer, q_pos, limit):
-        # Full: overwrite the lightest slot outside the protected ones. The protected window
-        # and first tokens are clamped so at least one slot is evictable: with a budget at or
-        # below `recent` the heavy-hitter part is empty and the oldest token leaves.
-        now = q_pos[:, None, None]
-        recent = jnp.minimum(self.recent, limit - 1)[:, None, None]
-        evictable = valid_slots(layer) & (layer.positions < now - recent)
-        if self.scorer == "importance":
-            protect = jnp.minimum(self.protect, limit - 1 - recent[:, :, 0])[:, :, None]
-            evictable &= layer.positions >= protect
-        # Finite for every evictable slot (protected-first scores are inf), so argmin never
-        # lands on a slot outside `evictable`.
-        score = jnp.minimum(self._scores(layer, now), jnp.finfo(jnp.float32).max)
-        light = jnp.argmin(jnp.where(evictable, score, jnp.inf), axis=-1)
-        full = layer.lengths >= limit[:, None]
-        return jnp.where(full, light, layer.lengths).astype(jnp.int32)
+        b = q_pos.shape[0]
+        return lightest_slots(layer, q_pos, limit, recent=jnp.full((b,), self.recent),
+                              protect=jnp.full((b,), self.protect),
+                              importance=jnp.full((b,), self.scorer == "importance"))  # fmt: skip
+
+
+def lightest_slots(layer, q_pos, limit, *, recent, protect, importance):
+    """`[B, K]` slot for each row's new token at `q_pos` `[B]` under H2O's rule, with the
+    settings per row (`recent`, `protect` `[B]` int32, `importance` `[B]` bool: the scorer):
+    the next free slot below `limit` `[B]`, else the lightest slot outside the protected ones.
+    The protected window and first tokens are clamped so at least one slot is evictable: with
+    a budget at or below `recent` the heavy-hitter part is empty and the oldest token leaves.
+    Shared by `H2O.write_slots` (the one-shot path) and the engine's flattened step."""
+    now = q_pos[:, None, None]
+    recent = jnp.minimum(recent, limit - 1)[:, None, None]
+    evictable = valid_slots(layer) & (layer.positions < now - recent)
+    imp = importance[:, None, None]
+    first = protect[:, None, None]  # scored first (inf); evictable from the clamped count on
+    evictable &= ~imp | (layer.positions >= jnp.minimum(first, limit[:, None, None] - 1 - recent))
+    score = jnp.where(imp, token_importance(layer.scores, layer.positions, now, protect=first),
+                      layer.scores)  # fmt: skip
+    # Finite for every evictable slot (protected-first scores are inf), so argmin never lands
+    # on a slot outside `evictable`.
+    score = jnp.minimum(score, jnp.finfo(jnp.float32).max)
+    light = jnp.argmin(jnp.where(evictable, score, jnp.inf), axis=-1)
+    full = layer.lengths >= limit[:, None]
+    return jnp.where(full, light, layer.lengths).astype(jnp.int32)

@@ -14,7 +14,7 @@ import jkv
 from jkv.engine import policy_steps
 from jkv.engine.engine import Engine
 from jkv.engine.ragged import ragged_step
-from jkv.engine.runner import compact, paged_step, set_rows, write_mass, write_pages
+from jkv.engine.runner import compact, set_rows
 from jkv.engine.select import paged_select
 from jkv.policies import H2O, AdaKV, EffiCache, PyramidKV, Quantile, SnapKV, StreamingLLM
 
@@ -102,39 +102,38 @@ def test_compression_frees_pages_per_head(demo):
     assert len(rest) == 2 and engine.pool.used_pages == 0
 
 
-@pytest.mark.parametrize("policy", [SNAPKV, QUANTILE, RING], ids=["snapkv", "quantile", "ring"])
-def test_a_compressed_prompt_never_gathers(demo, policy):
+@pytest.mark.parametrize(
+    "policy", [SNAPKV, QUANTILE, RING, HEAVY], ids=["snapkv", "quantile", "ring", "h2o"]
+)
+def test_a_compressed_prompt_runs_in_place(demo, policy):
     """A prompt of four chunks a policy compresses: every chunk runs on the flattened step (in
-    place, as the full cache's; StreamingLLM's keys stored before RoPE and rotated on read),
-    none on the gathering step; the selection follows the chunk that ends the prompt, once,
-    over the pool; StreamingLLM then decodes into its ring of 24 slots, wrapping it, the slot
-    chosen by the host; the tokens are generate's."""
-    gathered, selected = [], []
+    place, as the full cache's; StreamingLLM's keys stored before RoPE and rotated on read;
+    H2O's queries adding to each slot's mass); the selection follows the chunk that ends the
+    prompt, once, over the pool; the rings then decode past their budget (StreamingLLM's slot
+    chosen by the host, H2O's per head on the device); the tokens are generate's."""
+    selected = []
 
     class Recording(Engine):
-        def _run(self, scheduled, policy, kept):
-            gathered.extend((r.seq.request_id, r.start, r.n) for r in scheduled)
-            return super()._run(scheduled, policy, kept)
-
         def _select(self, ending, policy, kept):
             selected.extend((r.seq.request_id, r.start, r.n) for r in ending)
             return super()._select(ending, policy, kept)
 
-    engine = Recording(demo, num_pages=200, page_size=4, token_budget=64, chunk=16)
+    engine = Recording(demo, num_pages=200, page_size=4, token_budget=64, chunk=16,
+                       attention_mass=True)  # fmt: skip
     rng = random.Random(4)
     prompt = [rng.randrange(3, demo.config.vocab_size) for _ in range(64)]
     [toks] = engine.generate([prompt], max_new_tokens=30, kv_policy=policy)
-    assert gathered == [] and selected == [("req-0", 48, 16)]
+    assert selected == [("req-0", 48, 16)]
     assert toks == alone(demo, prompt, max_new_tokens=30, kv_policy=policy)
 
 
-@pytest.mark.parametrize("policy", [SNAPKV, RING], ids=["snapkv", "ring"])
+@pytest.mark.parametrize("policy", [SNAPKV, RING, HEAVY], ids=["snapkv", "ring", "h2o"])
 def test_the_selection_through_the_pallas_kernels_matches_generate(demo, policy):
     """On the "pallas_interpret" backend the flattened step runs the ragged Pallas kernel (a
     StreamingLLM ring's keys rotated on read in it) and the selection the paged window-scores
     kernels (interpreted): the tokens are still generate's (on xla)."""
     engine = Engine(demo, num_pages=200, page_size=4, token_budget=64, chunk=16,
-                    backend="pallas_interpret")  # fmt: skip
+                    backend="pallas_interpret", attention_mass=True)  # fmt: skip
     rng = random.Random(8)
     prompts = [[rng.randrange(3, demo.config.vocab_size) for _ in range(n)] for n in (30, 41)]
     got = engine.generate(prompts, max_new_tokens=6, kv_policy=policy, backend="pallas_interpret")
@@ -168,8 +167,7 @@ def test_no_step_compiles_after_warmup_with_policies(demo):
     engine = Engine(demo, num_pages=64, page_size=16, chunk=16, max_running=1, max_model_len=32,
                     attention_mass=True)  # fmt: skip
     engine.warmup(kv_policies=[H2O(budget=8, recent=2), EffiCache(window=8), RING])
-    compiled = (ragged_step, paged_step, paged_select, write_pages, compact, set_rows,
-                write_mass, policy_steps.sensitivity_pass)  # fmt: skip
+    compiled = (ragged_step, paged_select, compact, set_rows, policy_steps.sensitivity_pass)
     before = [f._cache_size() for f in compiled]
     rng = random.Random(1)
     for policy in (EffiCache(budget=0.5, window=8), EffiCache(budget=5, window=8), None,

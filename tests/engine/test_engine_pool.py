@@ -12,7 +12,8 @@ import pytest
 import jkv
 from jkv.engine.engine import Engine
 from jkv.engine.page_pool import PagePool
-from jkv.engine.runner import RowTables, pack
+from jkv.engine.ragged import pack_ragged
+from jkv.engine.runner import RowTables
 from jkv.engine.scheduler import Scheduler
 from jkv.engine.sequence import Sequence
 from jkv.policies import StreamingLLM
@@ -87,7 +88,7 @@ def _decode_workload(num_layers: int, num_kv_heads: int):
     while sched.has_work:
         plan = sched.schedule()
         before = tables.table.copy()
-        pack(plan.scheduled, tables, group, 128)
+        pack_ragged(plan.scheduled, tables, group, 16)
         written += int((before != tables.table).sum())
         sched.finish_step(plan, {s.seq.request_id: 7 for s in plan.scheduled if s.samples})
         tables.keep_only({s.request_id for s in sched.running})

@@ -69,7 +69,7 @@ def make_case(rng, windows, page, m, dtype):
     return dict(args, k_pages=k)
 
 
-def numpy_reference(a, pool, kernel):
+def numpy_reference(a, pool, kernel, window=None):
     """The module docstring's maths one query at a time in float64, then the pooling."""
     q = np.asarray(a["q"], np.float64)
     k = np.asarray(jnp.asarray(a["k_pages"]).astype(jnp.float32), np.float64)
@@ -86,6 +86,8 @@ def numpy_reference(a, pool, kernel):
             pos = np.array([a["pos_pages"][pg, s % page] for s, pg in enumerate(pages)])
             for t in range(s0, s0 + n):
                 ok = pos <= a["q_positions"][t]
+                if window is not None:
+                    ok &= a["q_positions"][t] - pos < window
                 for g in range(G):
                     z = kk[ok] @ q[t, kv * G + g] * H**-0.5
                     w = np.exp(z - z.max())
@@ -155,6 +157,20 @@ def test_rows_without_queries_score_nothing(rng):
                 paged_window_scores_xla(**a, q_tile=4, pages_per_step=2)):  # fmt: skip
         out = np.asarray(out)
         assert (out[1] == 0).all() and (out[0].sum(axis=-1) > 0).all()
+
+
+@pytest.mark.parametrize("dtype", ["f32", "fp8"])
+def test_a_sliding_window_hides_older_slots(rng, rel_err, dtype):
+    """With a sliding window (H2O's mass on Mistral): the XLA path and the kernel (kernel 1:
+    no pooling) see only the last `window` positions, as the numpy loop does."""
+    a = make_case(rng, [6, 3, 1], 4, 6, dtype)
+    ref = paged_window_scores_reference(**a, pool="avg", kernel_size=1, window=5)
+    assert rel_err(ref, numpy_reference(a, "avg", 1, window=5)) < 1e-5
+    assert rel_err(ref, paged_window_scores_reference(**a, pool="avg", kernel_size=1)) > 1e-2
+    xla = paged_window_scores_xla(**a, kernel_size=1, window=5, q_tile=4, pages_per_step=2)
+    assert rel_err(xla, ref) < 1e-5
+    got = paged_window_scores(**a, kernel_size=1, window=5, q_tile=4, interpret=True)
+    assert rel_err(got, ref) < {"f32": 1e-5, "fp8": 1e-2}[dtype]
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
