@@ -35,7 +35,12 @@ def decode_cpu(results):
 def decode_cpu_smollm2(results):
     d = load(results, "decode_cpu_smollm2")
     note = f"Read bandwidth measured beside it: {num(d['read_bandwidth_gb_s'], 1)} GB/s."
-    return md(DECODE_HEADER, _decode_cpu_rows(d)) + ["", note]
+    rows = [
+        [*row, f"{num(r['jkv_weight_gb_s'], 1)} GB/s ({r['jkv_weight_gb_s'] / bw:.0%})"]
+        for row, r, bw in zip(_decode_cpu_rows(d), d["rows"],
+                              [d["read_bandwidth_gb_s"]] * len(d["rows"]), strict=True)
+    ]  # fmt: skip
+    return md([*DECODE_HEADER, "jkv weight reads (of the bandwidth)"], rows) + ["", note]
 
 
 def _k(s):
