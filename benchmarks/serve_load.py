@@ -263,7 +263,7 @@ def peer_version(exe: str | None) -> str:
 
 def export_model(folder: Path) -> Path:
     """The demo model as a Hugging Face folder carrying jkv's default chat template."""
-    from jkv.serve.openai import DEFAULT_CHAT_TEMPLATE
+    from jkv.chat import DEFAULT_CHAT_TEMPLATE
 
     subprocess.run([sys.executable, "-m", "jkv.cli", "export-hf", "demo", str(folder),
                     "--overwrite"], check=True, stdout=subprocess.DEVNULL)  # fmt: skip
