@@ -75,7 +75,7 @@ def quality_snapkv100(results):
 
 # quality_real's runs, in the order the docs tell them
 QUALITY_REAL = ("quality_real_1k_single", "quality_real_1k_single_tuned", "quality_real_kvzip_1k",
-                "quality_real_2k_tuned", "quality_real_kvzip_2k", "quality_real_pairs_1k",
+                "quality_real_kvzip_2k", "quality_real_2k_tuned", "quality_real_pairs_1k",
                 "quality_real_multikey_1k")  # fmt: skip
 
 
@@ -110,6 +110,33 @@ def quality_real(results):
                          peer_cell, side])  # fmt: skip
     header = ["task", "context", "policy", "kept", "mode", "jkv right (rate ± s.e.)", "kvpress",
               "jkv vs kvpress"]  # fmt: skip
+    return md(header, rows)
+
+
+@table("quality_real_text")
+def quality_real_text(results):
+    """(b) and (c) of quality_real: perplexity after a compressed context, as a ratio to the full
+    cache's, and the continuation's ROUGE-L against the full cache's, jkv beside kvpress."""
+    rows = []
+    for stem in QUALITY_REAL:
+        if not (results / f"{stem}.json").exists():
+            continue
+        got = [r for r in load(results, stem)["rows"] if r["kind"] == "text"]
+        for r in got:
+            if r["who"] != "jkv" or r["policy"] == "full":
+                continue
+            peer = [p for p in got if p["who"] == "kvpress" and p["policy"] == r["policy"]
+                    and p["ratio"] == r["ratio"]]  # fmt: skip
+            cells = [
+                f"{num(r['ppl_ratio'], 3)}",
+                f"{num(r['rouge_l'], 2)} ± {num(r['rouge_se'], 2)}",
+            ]
+            cells += ([f"{num(peer[0]['ppl_ratio'], 3)}",
+                       f"{num(peer[0]['rouge_l'], 2)} ± {num(peer[0]['rouge_se'], 2)}"]
+                      if peer else ["—", "—"])  # fmt: skip
+            rows.append([r["context"], r["policy"], pct(r["ratio"]), r["n"], *cells])
+    header = ["context", "policy", "kept", "texts", "jkv perplexity / full", "jkv ROUGE-L vs full",
+              "kvpress perplexity / full", "kvpress ROUGE-L vs full"]  # fmt: skip
     return md(header, rows)
 
 
