@@ -78,6 +78,8 @@ def policy_kw(spec: str | None, ratio: float) -> dict:
         return dict(kv_policy=name, kv_budget=ratio)
     from jkv import policies
 
+    if name == "quantile":  # Quantile keeps the fraction 1 - q, as resolve() builds it
+        return dict(kv_policy=policies.Quantile(q=1.0 - ratio, **fields))
     return dict(kv_policy=policies.POLICIES[name](budget=ratio, **fields))
 
 

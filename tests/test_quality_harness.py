@@ -49,6 +49,10 @@ def test_policy_specs_name_fields_and_their_kvpress_peer():
         "kv_policy": jkv.SnapKV(budget=0.1, window=16, kernel=11, pool="max")
     }
     assert quality.policy_kw("h2o", 0.25) == {"kv_policy": "h2o", "kv_budget": 0.25}
+    # Quantile's budget is 1 - q: with fields it is built from q, as resolve() builds it bare
+    assert quality.policy_kw("quantile:keep_norms=low", 0.25) == {
+        "kv_policy": jkv.policies.Quantile(q=0.75, keep_norms="low")
+    }
     assert quality.policy_kw(None, 1.0) == {}
     # kvpress's SnapKV has the window and kernel (it pools by average only)
     assert quality.kvpress_for(spec) == ("snapkv", {"window_size": 16, "kernel_size": 11})
