@@ -74,7 +74,11 @@ train-demo: $(DEV_STAMP)
 LLAMACPP_VENV := .venv-llamacpp
 $(LLAMACPP_VENV)/bin/python:
 	$(PYTHON) -m venv $(LLAMACPP_VENV)
-	$(LLAMACPP_VENV)/bin/pip install -q --no-binary llama-cpp-python "llama-cpp-python==0.3.36"
+	# without AMX: llama.cpp's AMX matmul segfaults on the first decode on Sapphire Rapids VMs
+	# (ggml-org/llama.cpp#20824); AVX-512 kept
+	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	  -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON" $(LLAMACPP_VENV)/bin/pip install -q --no-cache-dir \
+	  --no-binary llama-cpp-python "llama-cpp-python==0.3.36"
 
 bench: $(BENCH_STAMP) $(LLAMACPP_VENV)/bin/python
 	$(PY) benchmarks/decode_cpu.py

@@ -36,11 +36,21 @@ def decode_cpu_smollm2(results):
     d = load(results, "decode_cpu_smollm2")
     note = f"Read bandwidth measured beside it: {num(d['read_bandwidth_gb_s'], 1)} GB/s."
     rows = [
-        [*row, f"{num(r['jkv_weight_gb_s'], 1)} GB/s ({r['jkv_weight_gb_s'] / bw:.0%})"]
+        [*row, f"{num(r['jkv_weight_gb_s'], 1)} GB/s ({r['jkv_weight_gb_s'] / bw:.0%})",
+         _llamacpp(r)]
         for row, r, bw in zip(_decode_cpu_rows(d), d["rows"],
                               [d["read_bandwidth_gb_s"]] * len(d["rows"]), strict=True)
     ]  # fmt: skip
-    return md([*DECODE_HEADER, "jkv weight reads (of the bandwidth)"], rows) + ["", note]
+    header = [*DECODE_HEADER, "jkv weight reads (of the bandwidth)",
+              "llama.cpp on the GGUF tok/s (jkv's ratio; same tokens)"]  # fmt: skip
+    return md(header, rows) + ["", note]
+
+
+def _llamacpp(r: dict) -> str:
+    if r.get("llamacpp_decode_tok_s") is None:
+        return "—"
+    same = f"{r['llamacpp_same_tokens']}/{r['new_tokens']}"
+    return f"{num(r['llamacpp_decode_tok_s'], 1)} ({r['llamacpp_ratio']:.2f}x; {same})"
 
 
 def _k(s):

@@ -75,8 +75,9 @@ def quality_snapkv100(results):
 
 # quality_real's runs, in the order the docs tell them
 QUALITY_REAL = ("quality_real_1k_single", "quality_real_1k_single_tuned", "quality_real_kvzip_1k",
-                "quality_real_kvzip_2k", "quality_real_2k_tuned", "quality_real_pairs_1k",
-                "quality_real_multikey_1k")  # fmt: skip
+                "quality_real_pairs_1k", "quality_real_pairs_1k_b", "quality_real_pairs_1k_more",
+                "quality_real_kvzip_2k", "quality_real_2k_tuned", "quality_real_4k_tuned",
+                "quality_real_multikey_1k", "quality_real_multikey_1k_tuned")  # fmt: skip
 
 
 def _verdict(a: dict, b: dict) -> str:
