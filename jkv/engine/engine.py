@@ -31,9 +31,10 @@ StreamingLLM and H2O compress the same way at the prompt's end, then keep a ring
 budget's slots: each new token overwrites the oldest non-sink one (StreamingLLM, the slot
 chosen by the host, `Sequence.ring_write`) or, per head, the lightest by attention mass outside
 the recent window (H2O, chosen in the step; every query of an H2O row adds the attention it pays
-to the mass of each slot, a float32 per stored token in the pool: `Engine(attention_mass=True)`). The segment rebuild and KVzip stay on
-the one-shot path (ValueError here). The kv dtype (float32, bfloat16, or fp8 with a bfloat16
-scale per token) is one per engine.
+to the mass of each slot, a float32 per stored token in the pool:
+`Engine(attention_mass=True)`). The segment rebuild and KVzip stay on the one-shot path
+(ValueError here). The kv dtype (float32, bfloat16, or fp8 with a bfloat16 scale per token) is
+one per engine.
 
 Over a mesh (params loaded with `mesh=`, or `Engine(..., mesh=)`), the pool is sharded over kv
 heads on the "model" axis: each device stores one segment of the pages, a kv head's pages come

@@ -143,6 +143,6 @@ def pack_select(ending, row_tables, group: int, page: int, window: int):
         positions[i * w : i * w + k] = np.arange(n - k, n)
         tok_row[i * w : i * w + k] = i
         tok_slot[i * w : i * w + k] = np.arange(n - k, n)
-    rows = PagedRows(tables, np.zeros((b, group), np.int32), np.zeros(b, np.int32), held,
-                     q_start, q_len, tok_row, tok_slot, np.int32(0), np.int32(len(ending)))  # fmt: skip
+    rows = PagedRows(tables, np.zeros((b, group), np.int32), np.zeros(b, np.int32), held, q_start,
+                     q_len, tok_row, tok_slot, np.int32(0), np.int32(len(ending)))  # fmt: skip
     return rows, tokens, positions
