@@ -211,7 +211,10 @@ def test_the_launchers_flags_are_checked_before_anything_starts(argv, message):
 
 def test_a_replica_killed_under_load(deployment):
     """3 clients sending plain requests through the router, a stream under way on replica v;
-    SIGKILL of v. What the clients saw, asserted: the stream's client got its first chunks,
+    SIGKILL of v. v is frozen (SIGSTOP) at the stream's first chunk, so the stream is under way
+    at the kill however fast the engine runs (a 480-token stream of the demo model can end in
+    well under a second), and killed 0.2 s later, with the plain clients' requests sent to it
+    in flight. What the clients saw, asserted: the stream's client got its first chunks,
     then the stream was cut (`APIConnectionError`, no end); every plain request, those v was
     answering at the kill included, was answered (the router retried them on the other
     replica; their clients saw a slower answer, no error). The router's health checks (every
@@ -238,6 +241,7 @@ def test_a_replica_killed_under_load(deployment):
         running = [dep.metrics(i)["num_requests_running"] for i in range(dep.replicas)]
         victim = running.index(1)  # the stream's replica (it runs alone)
         survivor, pid = 1 - victim, pids[victim]
+        os.kill(pid, signal.SIGSTOP)  # the stream cannot end before the kill
         for t in threads:
             t.start()
         time.sleep(0.2)
@@ -282,7 +286,7 @@ def test_a_replica_killed_under_load(deployment):
     assert dep.metrics(survivor)["prefix_cache_queries_total"] > 0
 
 
-STREAM_TOKENS = 480  # a stream of ~1 s or more: under way at the kill
+STREAM_TOKENS = 480  # as long as the demo model allows (512 positions); under way at the kill
 
 
 def _plain(client, prompt: str) -> tuple[str, int]:
