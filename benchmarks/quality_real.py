@@ -38,7 +38,8 @@ os.environ.setdefault(
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
-import quality as q  # noqa: E402  (policy specs, scores)
+import policy_specs as specs  # noqa: E402
+import quality as q  # noqa: E402  (scores)
 import quality_kvpress as qk  # noqa: E402  (kvpress's protocol)
 
 TASKS = {"single": 1, "multikey": 4}  # keys planted
@@ -85,7 +86,7 @@ def jkv_needles(params, items, spec, ratio, mode):
     import jkv
     from jkv.demo.real_text import answered
 
-    kw = q.policy_kw(spec, ratio)
+    kw = specs.policy_kw(spec, ratio)
     right, shown = 0, []
     for it in items:
         if mode == "agnostic" and kw:
@@ -108,7 +109,7 @@ def jkv_text(params, pairs, spec, ratio):
     import jkv
     from jkv.scoring import score
 
-    kw = q.policy_kw(spec, ratio)
+    kw = specs.policy_kw(spec, ratio)
     nll, conts = [], []
     for ctx, held in pairs:
         state = jkv.prefill(params, ctx[:-1], **kw)
@@ -123,7 +124,7 @@ def jkv_text(params, pairs, spec, ratio):
 def _press(spec, ratio, n):
     if spec is None:
         return None
-    peer = q.kvpress_for(spec)
+    peer = specs.kvpress_for(spec)
     return qk.press_for(peer[0], ratio, n, peer[1])
 
 
@@ -180,7 +181,7 @@ class Loaded:
         self.folder, self.models = folder, {}
 
     def for_spec(self, spec):
-        peer = None if spec is None else q.kvpress_for(spec)
+        peer = None if spec is None else specs.kvpress_for(spec)
         kind = "sdpa" if peer is None else qk.ATTENTION.get(peer[0], "sdpa")
         if kind not in self.models:
             self.models[kind] = qk.load_hf(self.folder, attn_implementation=kind)
@@ -211,7 +212,11 @@ def run(args, save=lambda rows: None) -> list[dict]:
             for spec, ratio in settings(args.policies, args.ratios):
                 for mode in ("agnostic", "aware") if spec else ("full",):
                     for who, loaded, _ in peers:
-                        if who == "kvpress" and spec is not None and q.kvpress_for(spec) is None:
+                        if (
+                            who == "kvpress"
+                            and spec is not None
+                            and specs.kvpress_for(spec) is None
+                        ):
                             continue
                         if who == "kvpress":
                             model, tok = loaded.for_spec(spec)
@@ -235,7 +240,7 @@ def run(args, save=lambda rows: None) -> list[dict]:
             full = {}
             for spec, ratio in settings(args.policies, args.ratios):
                 for who, loaded, _ in peers:
-                    if who == "kvpress" and spec is not None and q.kvpress_for(spec) is None:
+                    if who == "kvpress" and spec is not None and specs.kvpress_for(spec) is None:
                         continue
                     if who == "kvpress":
                         model, tok = loaded.for_spec(spec)

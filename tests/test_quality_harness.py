@@ -10,6 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+import policy_specs  # noqa: E402
 import quality  # noqa: E402
 
 
@@ -44,22 +45,22 @@ def test_policy_specs_name_fields_and_their_kvpress_peer():
     import jkv
 
     spec = "snapkv:window=16,kernel=11,pool=max"
-    assert quality.policy_spec(spec) == ("snapkv", {"window": 16, "kernel": 11, "pool": "max"})
-    assert quality.policy_kw(spec, 0.1) == {
+    assert policy_specs.policy_spec(spec) == ("snapkv", {"window": 16, "kernel": 11, "pool": "max"})
+    assert policy_specs.policy_kw(spec, 0.1) == {
         "kv_policy": jkv.SnapKV(budget=0.1, window=16, kernel=11, pool="max")
     }
-    assert quality.policy_kw("h2o", 0.25) == {"kv_policy": "h2o", "kv_budget": 0.25}
+    assert policy_specs.policy_kw("h2o", 0.25) == {"kv_policy": "h2o", "kv_budget": 0.25}
     # Quantile's budget is 1 - q: with fields it is built from q, as resolve() builds it bare
-    assert quality.policy_kw("quantile:keep_norms=low", 0.25) == {
+    assert policy_specs.policy_kw("quantile:keep_norms=low", 0.25) == {
         "kv_policy": jkv.policies.Quantile(q=0.75, keep_norms="low")
     }
-    assert quality.policy_kw(None, 1.0) == {}
+    assert policy_specs.policy_kw(None, 1.0) == {}
     # kvpress's SnapKV has the window and kernel (it pools by average only)
-    assert quality.kvpress_for(spec) == ("snapkv", {"window_size": 16, "kernel_size": 11})
-    assert quality.kvpress_for("adakv") == ("adakv", {})
-    assert quality.kvpress_for("kvzip:layerwise=true,max_factor=1.5") == (
+    assert policy_specs.kvpress_for(spec) == ("snapkv", {"window_size": 16, "kernel_size": 11})
+    assert policy_specs.kvpress_for("adakv") == ("adakv", {})
+    assert policy_specs.kvpress_for("kvzip:layerwise=true,max_factor=1.5") == (
         "kvzip", {"layerwise": True})  # fmt: skip
-    assert quality.policy_spec("kvzip:max_factor=1.5")[1] == {"max_factor": 1.5}
-    assert quality.kvpress_for("efficache") is None
+    assert policy_specs.policy_spec("kvzip:max_factor=1.5")[1] == {"max_factor": 1.5}
+    assert policy_specs.kvpress_for("efficache") is None
     with pytest.raises(ValueError, match="'window' in 'snapkv:window' must be key=value"):
-        quality.policy_spec("snapkv:window")
+        policy_specs.policy_spec("snapkv:window")
