@@ -25,10 +25,11 @@ class Warmup:
     def warmup(self, kv_policies=()) -> float:
         """Compiles every step shape a request can need, so that no request compiles later:
         the flattened step at every (rows, tokens) bucket (rows: powers of two up to
-        max_running; tokens: up to the token budget's); for each of `kv_policies` (names or
-        `jkv.policies.KVPolicy` objects; budgets do not matter, they are data) its selection
-        over the pool (rows) and its compaction, and the flattened step with StreamingLLM's
-        or H2O's rows in it; every block-row update size. Returns the seconds it took."""
+        max_running; tokens: up to the token budget's or, when fewer, the rows' chunks'); for
+        each of `kv_policies` (names or `jkv.policies.KVPolicy` objects; budgets do not matter,
+        they are data) its selection over the pool (rows) and its compaction, and the
+        flattened step with StreamingLLM's or H2O's rows in it; every block-row update size.
+        Returns the seconds it took."""
         t0 = time.perf_counter()
         cfg = self.params.config
         g = self.scheduler.group
@@ -85,8 +86,9 @@ class Warmup:
         stored before RoPE (`PagedRows.raw`); `mass`: with H2O's rows (`PagedRows.mass`)."""
         cfg, g = self.params.config, self.scheduler.group
         probe = Request.build(self.params)
-        most = bucket(self.scheduler.token_budget)
-        for b in rows:
+        sched = self.scheduler
+        for b in rows:  # b rows (more than b / 2 of them real) hold at most b chunks
+            most = bucket(min(sched.token_budget, b * sched.chunk))
             for t in (1 << i for i in range(b.bit_length() - 1, most.bit_length())):
                 z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
                 idle = PagedRows(

@@ -108,12 +108,17 @@ def test_a_prefix_hit_gives_the_same_tokens(demo):
 
 
 def test_no_step_compiles_after_warmup(demo):
-    engine = Engine(demo, num_pages=64, page_size=16, token_budget=32, chunk=16, max_running=2,
+    """Warmup compiles the flattened step at each (rows, tokens) bucket a step can have and no
+    other: 1 row holds at most one chunk of 16 tokens (1-16: 5 buckets), 2 rows the budget's 32
+    (2-32: 5); requests after it compile nothing. (61 pages: shapes no other test compiles.)"""
+    engine = Engine(demo, num_pages=61, page_size=16, token_budget=32, chunk=16, max_running=2,
                     max_model_len=32)  # fmt: skip
+    compiled = (ragged_step,)
+    start = [f._cache_size() for f in compiled]
     seconds = engine.warmup()
     assert seconds > 0
-    compiled = (ragged_step,)
     before = [f._cache_size() for f in compiled]
+    assert before[0] - start[0] == 10
     rng = random.Random(1)
     prompts = random_prompts(rng, 5, demo.config.vocab_size, 1, 20)
     engine.generate(prompts, max_new_tokens=12, temperature=0.5)
