@@ -13,6 +13,11 @@ from tiny_hf import KINDS, write_tiny_checkpoint
 # The CLI's persistent compilation cache stays off in tests (and their subprocesses), unless a
 # test points it at a folder of its own.
 os.environ["JKV_COMPILE_CACHE"] = "0"
+# Programs built at LLVM's lowest optimisation level (XLA's own HLO passes all run): most of a
+# test's time is XLA:CPU compiling, not running what it compiled; the results are the same.
+# Subprocesses inherit it (tests that set XLA_FLAGS for them append to it).
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
 
 ALL_KINDS = sorted(KINDS)
 

@@ -55,7 +55,7 @@ def test_sharded_generation_equals_unsharded(hf_checkpoint, tmp_path):
     script.write_text(SCRIPT)
     env = {
         **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "XLA_FLAGS": os.environ["XLA_FLAGS"] + " --xla_force_host_platform_device_count=4",
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
     }

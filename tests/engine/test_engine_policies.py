@@ -164,7 +164,7 @@ def test_no_step_compiles_after_warmup_with_policies(demo):
     """Warmed for EffiCache (SnapKV's votes, then its gradient pass per prompt bucket), H2O
     (its mass write-back) and StreamingLLM (the flattened step with rings): requests of each
     and of the full cache, at other budgets, compile nothing."""
-    engine = Engine(demo, num_pages=64, page_size=16, chunk=16, max_running=1, max_model_len=32,
+    engine = Engine(demo, num_pages=64, page_size=16, chunk=8, max_running=1, max_model_len=32,
                     attention_mass=True)  # fmt: skip
     engine.warmup(kv_policies=[H2O(budget=8, recent=2), EffiCache(window=8), RING])
     compiled = (ragged_step, paged_select, compact, set_rows, policy_steps.sensitivity_pass)

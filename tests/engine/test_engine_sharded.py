@@ -120,7 +120,7 @@ def test_sharded_engine_gives_one_devices_tokens(hf_checkpoint, tmp_path):
     root = Path(__file__).resolve().parents[2]
     env = {
         **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "XLA_FLAGS": os.environ["XLA_FLAGS"] + " --xla_force_host_platform_device_count=4",
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
     }

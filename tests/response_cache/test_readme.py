@@ -108,7 +108,10 @@ def test_python_examples_run(page, redis_url, tmp_path, monkeypatch):
             block = block.replace(old, new)
         if "jax.devices()" in block:  # the mesh example wants 8 devices: a process of its own
             code = PRELUDE + "params = jkv.load('demo')\n" + block
-            env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+            env = {
+                **os.environ,
+                "XLA_FLAGS": os.environ["XLA_FLAGS"] + " --xla_force_host_platform_device_count=8",
+            }
             proc = subprocess.run(
                 [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600
             )

@@ -41,7 +41,7 @@ class Group:
 
     def __init__(self, tmp_path, *flags: str):
         coordinator, port = free_run(2), free_run(1)
-        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        env = {**os.environ, "XLA_FLAGS": os.environ["XLA_FLAGS"] + " --xla_force_host_platform_device_count=2",
                "JAX_PLATFORMS": "cpu"}  # fmt: skip
         if os.environ.get("JKV_TEST_COMPILE_CACHE_DIR"):  # the run's compiled programs
             env["JKV_COMPILE_CACHE"] = os.environ["JKV_TEST_COMPILE_CACHE_DIR"]
