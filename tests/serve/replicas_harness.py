@@ -3,6 +3,7 @@ sglang-router binary), on free loopback ports; prefix-cache counters read from /
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -16,9 +17,14 @@ import httpx
 
 
 def free_run(n: int) -> int:
-    """The first of `n` consecutive free loopback ports."""
+    """The first of `n` consecutive free loopback ports, below the kernel's ephemeral range: the
+    router binds its port a minute after this check (once the replicas are up), and in that
+    minute other tests' outgoing connections take ephemeral ports (one took the router's)."""
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     for _ in range(200):
-        base = random.randrange(20000, 60000 - n)
+        base = random.randrange(10000, max(low, 10000 + 2 * n) - n)
         socks = []
         try:
             for p in range(base, base + n):
