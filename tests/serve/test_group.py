@@ -41,8 +41,8 @@ class Group:
 
     def __init__(self, tmp_path, *flags: str):
         coordinator, port = free_run(2), free_run(1)
-        env = {**os.environ, "XLA_FLAGS": os.environ["XLA_FLAGS"] + " --xla_force_host_platform_device_count=2",
-               "JAX_PLATFORMS": "cpu"}  # fmt: skip
+        devices = " --xla_force_host_platform_device_count=2"
+        env = {**os.environ, "XLA_FLAGS": os.environ["XLA_FLAGS"] + devices, "JAX_PLATFORMS": "cpu"}
         if os.environ.get("JKV_TEST_COMPILE_CACHE_DIR"):  # the run's compiled programs
             env["JKV_COMPILE_CACHE"] = os.environ["JKV_TEST_COMPILE_CACHE_DIR"]
         self.logs = [tmp_path / f"process{i}.log" for i in range(2)]
