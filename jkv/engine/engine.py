@@ -535,8 +535,16 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
         used by requests, free, cached and idle) and the share in use, the pool's device bytes
         and bytes per page, prefix-cache lookups and hits (blocks) and hit rate, pages recycled
         (lazily, by the watermark), preemptions, requests running and waiting, steps, failed
-        steps and health."""
+        steps and health. A request whose abort is queued counts in neither (a step, compiling
+        maybe, may hold the messages for long); a queued add counts as waiting."""
         pool, s = self.pool, self.pool.stats
+        adds, aborts = set(), set()
+        for kind, *body in tuple(self._inbox):  # a copy: other threads post meanwhile
+            if kind == "add":
+                adds.add(body[0].request_id)
+            else:
+                aborts.add(body[0])
+        staying = lambda seqs: sum(q.request_id not in aborts for q in tuple(seqs))  # noqa: E731
         return dict(
             pages_total=pool.usable,
             pages_used=pool.used_pages,
@@ -552,8 +560,8 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
             recycled_lazy=s.recycled_lazy,
             recycled_watermark=s.recycled_watermark,
             preemptions=self.scheduler.num_preemptions,
-            running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting) + len(self._inbox),
+            running=staying(self.scheduler.running),
+            waiting=staying(self.scheduler.waiting) + len(adds - aborts),
             steps=self._steps,
             failures=self.failures,
             healthy=self.healthy,
