@@ -95,6 +95,13 @@ def stop_strings(stop) -> tuple[str, ...]:
     for s in items:
         if not isinstance(s, str) or not s:
             raise ValueError(f"stop={stop!r} must be a non-empty string or a list of them")
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError as e:  # (the response cache's key could not be packed)
+            raise ValueError(
+                f"stop={stop!r} holds {s[e.start]!r} at index {e.start} of {s!r}, a lone "
+                "surrogate that is not text; expected strings that encode as UTF-8"
+            ) from None
     return items
 
 

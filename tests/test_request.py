@@ -49,6 +49,7 @@ def test_defaults_fill_what_is_not_given(tiny_params):
         (dict(temperature="hot"), "temperature='hot' must be a finite number"),
         (dict(max_new_tokens=0), "max_new_tokens=0 must be a positive integer"),
         (dict(stop=[""]), "stop=\\[''\\] must be a non-empty string"),
+        (dict(stop=["ok", "a\ud800"]), "holds '\\\\ud800' at index 1 of 'a\\\\ud800', a lone"),
         (dict(backend="tpu"), "backend='tpu' is not supported"),
     ],
 )

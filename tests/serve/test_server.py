@@ -137,6 +137,20 @@ def test_bad_input_gets_400_with_openai_error_json(shared, name, body, param):
         assert error["param"] == param, error
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_lone_surrogate_in_stop_is_400(shared, path, stream):
+    """Greedy, so the response cache is asked: its key once failed to pack (500)."""
+    body = {"model": "jkv-demo", "temperature": 0, "stream": stream, "stop": ["x", "\ud800"],
+            "prompt": "The code", "messages": [{"role": "user", "content": "The code"}]}  # fmt: skip
+    del body["messages" if path == "/v1/completions" else "prompt"]
+    r = httpx.post(shared.url + path, content=json.dumps(body).encode(),  # "\ud800" escaped
+                   headers={"content-type": "application/json"}, timeout=120)  # fmt: skip
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "stop" and "lone surrogate" in error["message"], error
+
+
 def test_bad_input_leaves_the_server_serving(shared):
     client = shared.client()
     with pytest.raises(openai.BadRequestError, match="temperature"):
