@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 
 import jax
 
@@ -100,7 +101,9 @@ def add_subcommand(sub) -> None:
                    help="data_parallel_rank in the events (a replica's index)")  # fmt: skip
     s.add_argument("--warmup", action="store_true", help="compile every step shape first")
     s.add_argument("--shutdown-timeout", type=_seconds, default=30.0,
-                   help="on SIGTERM, seconds in-flight requests may take to finish")  # fmt: skip
+                   help="on SIGTERM, seconds in-flight requests may take to finish; the "
+                   f"process exits at most {DRAIN_S + EXIT_S:g} s later, whatever the engine "
+                   "is doing")  # fmt: skip
     s.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="JSON logs on stderr")
     replicas.add_flags(s)
     s.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
@@ -374,6 +377,26 @@ def _lost(server: Server, engine, reason: str) -> None:
 
 
 DRAIN_S = 5.0  # after --shutdown-timeout: for requests ended with 503 to say so and close
+EXIT_S = 2.0  # after the drain: the process exits, whatever an engine step is still doing
+
+
+def _exit_after(seconds: float) -> None:
+    """Ends the process `seconds` from now if it is still running: an engine step (a compile, a
+    collective with a lost host) holds a worker thread that Python would wait for at exit."""
+
+    def end():
+        log = logging.getLogger("jkv.serve")
+        log.warning("stopped: exiting now, %.0f s after the signal, without waiting for the "
+                    "engine's step (still running: compiling, or stuck)", seconds)  # fmt: skip
+        for handler in logging.getLogger("jkv").handlers:
+            handler.flush()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    timer = threading.Timer(seconds, end)
+    timer.daemon = True  # never what keeps the process alive
+    timer.start()
 
 
 def _serve(server: Server, args: argparse.Namespace) -> None:
@@ -382,11 +405,13 @@ def _serve(server: Server, args: argparse.Namespace) -> None:
     class Graceful(uvicorn.Server):
         """uvicorn's graceful shutdown (no new connections, in-flight requests finish), and at
         --shutdown-timeout the server ends what still runs with a 503 `server_shutdown` (a
-        stream: an error event, then [DONE]) instead of cutting connections unannounced."""
+        stream: an error event, then [DONE]) instead of cutting connections unannounced; the
+        process exits by --shutdown-timeout + DRAIN_S + EXIT_S whatever the engine does."""
 
         async def shutdown(self, sockets=None):
             loop = asyncio.get_running_loop()
             timer = loop.call_later(args.shutdown_timeout, server.stop_requests)
+            _exit_after(args.shutdown_timeout + DRAIN_S + EXIT_S)
             try:
                 await super().shutdown(sockets)
             finally:

@@ -23,6 +23,7 @@ import pytest
 from replicas_harness import free_run
 
 import jkv
+from jkv.serve import cli as serve_cli
 from jkv.serve import group
 from jkv.sharding import repeat_kv_heads
 
@@ -174,6 +175,44 @@ def test_a_killed_follower_ends_requests_with_503_and_the_group_exits(tmp_path):
         assert g.procs[0].wait(30) == group.LOST_EXIT, g.output()
         assert time.monotonic() - killed < group.DRAIN_S + 30
     finally:
+        g.close()
+
+
+def test_sigterm_exits_in_time_while_a_step_is_stuck_in_a_collective(tmp_path):
+    """A follower frozen mid-stream (SIGSTOP) holds the leader's step in a collective, as a
+    long compile would: SIGTERM still ends the leader by --shutdown-timeout + DRAIN_S + EXIT_S,
+    the stream told why (it waited for the step: until --group-timeout found the follower)."""
+    g = Group(tmp_path, "--no-response-cache", "--shutdown-timeout", "1",
+              "--group-timeout", "300")  # fmt: skip
+    lines: list[str] = []
+    first = threading.Event()
+
+    def read():
+        body = {"model": "jkv-demo", "prompt": "the cat sat on the", "max_tokens": 250,
+                "temperature": 0.0, "stream": True}  # fmt: skip
+        with httpx.stream("POST", g.url + "/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                    first.set()
+
+    try:
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        assert first.wait(240), g.output()
+        g.procs[1].send_signal(signal.SIGSTOP)
+        time.sleep(1.0)  # the leader's next step waits for the follower
+        signalled = time.monotonic()
+        g.procs[0].send_signal(signal.SIGTERM)
+        bound = 1 + serve_cli.DRAIN_S + serve_cli.EXIT_S
+        assert g.procs[0].wait(bound + 10) == 0, g.output()
+        assert time.monotonic() - signalled < bound + 10
+        reader.join(10)
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        assert json.loads(lines[-2][len("data: ") :])["error"]["code"] == "server_shutdown"
+        assert "without waiting for the engine's step" in g.output()
+    finally:
+        g.procs[1].send_signal(signal.SIGCONT)
         g.close()
 
 
