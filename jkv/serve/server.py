@@ -5,7 +5,7 @@
 
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (both with `stream: true` as
 server-sent events ending with `data: [DONE]`), `GET /v1/models`, `GET /health`,
-`GET /metrics` (Prometheus).
+`GET /metrics` (Prometheus), `GET /openapi.json` (the schema; behind the key as the API is).
 
 A request's way: its API key -> the tenant (401 without one, when keys are set; `auth.py`) ->
 the body, bounded (413 / 415; `body.py`) -> in a worker thread: JSON (depth-checked), `openai.
@@ -36,6 +36,7 @@ from pathlib import Path
 
 from jkv.chat import special_tokens as special_tokens_of
 from jkv.prompt import prompt_ids
+from jkv.request import KV_DTYPE_ALIASES
 from jkv.request import Request as Settings
 from jkv.response_cache import front
 from jkv.response_cache.miss import Lookup
@@ -149,7 +150,9 @@ class Server:
             yield
             pool.shutdown(wait=False)
 
-        app = FastAPI(title="jkv", lifespan=lifespan, docs_url=None, redoc_url=None)
+        # no /docs or /redoc; the OpenAPI schema below, behind the key as every API route
+        app = FastAPI(title="jkv", lifespan=lifespan, docs_url=None, redoc_url=None,
+                      openapi_url=None)  # fmt: skip
 
         @app.exception_handler(oa.APIError)
         async def api_error(request, err: oa.APIError):
@@ -208,6 +211,11 @@ class Server:
                 self._tenant(request)
             data = await asyncio.to_thread(self.obs.render)
             return Response(data, media_type=CONTENT_TYPE_LATEST)
+
+        @app.get("/openapi.json", include_in_schema=False)
+        async def openapi(request: Request):
+            self._tenant(request)
+            return app.openapi()
 
         @app.post("/v1/completions")
         async def completions(request: Request):
@@ -272,13 +280,15 @@ class Server:
 
     def _prepare(self, kind: str, raw: bytes):
         """A body -> (its request, the prompt's ids, the settings, their validated form)."""
+        data = body.loads(raw)
         req = oa.parse(
             kind,
-            body.loads(raw),
+            data,
             chat_template=self.chat_template,
             special=self.special,
             max_chars=self.max_prompt_chars,
         )
+        self._check_kv_dtype(data.get("kv_dtype"))
         if req.model != self.name:
             raise oa.APIError(
                 400,
@@ -287,6 +297,19 @@ class Server:
                 code="model_not_found",
             )
         return req, *self._settings(req)
+
+    def _check_kv_dtype(self, value) -> None:
+        """A body's `kv_dtype`: the server's own is accepted (it changes nothing), any other
+        value is 400 (never ignored): the pool stores one dtype, the server's."""
+        if value is None:
+            return
+        name = KV_DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
+        if name != self.engine.kv_dtype:
+            raise oa.bad(
+                "kv_dtype",
+                f"kv_dtype={value!r}: the KV cache's dtype is one per server, set when it starts "
+                f"(jkv serve --kv-dtype); this one stores {self.engine.kv_dtype}",
+            )
 
     def _settings(self, req: oa.ParsedRequest):
         """The prompt's ids, `jkv.generate`'s settings and their validated form, or 400."""

@@ -41,7 +41,7 @@ def ask(running, key, **body):
 )  # fmt: skip
 def test_no_valid_key_is_401_on_every_api_path(running, headers):
     for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-                         ("GET", "/v1/models")):  # fmt: skip
+                         ("GET", "/v1/models"), ("GET", "/openapi.json")):  # fmt: skip
         r = httpx.request(method, running.url + path, headers=headers, timeout=60,
                           json={"model": "jkv-demo", "prompt": "x"})  # fmt: skip
         assert r.status_code == 401, r.text
@@ -58,6 +58,11 @@ def test_the_official_client_with_a_key(running):
     got = client.completions.create(model="jkv-demo", prompt="The code", max_tokens=2,
                                     temperature=0)  # fmt: skip
     assert got.usage.completion_tokens == 2
+    bob = {"authorization": "Bearer sk-bob"}
+    schema = httpx.get(running.url + "/openapi.json", headers=bob).json()
+    assert "/v1/chat/completions" in schema["paths"]
+    for path in ("/docs", "/redoc"):  # not served
+        assert httpx.get(running.url + path, headers=bob).status_code == 404
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=running.url + "/v1", api_key="sk-eve", max_retries=0).models.list()
 

@@ -168,3 +168,16 @@ def test_the_official_client_raises_bad_request_naming_the_field(running):
             model="jkv-demo", messages=MESSAGES, max_tokens=2, stream=True,
             stream_options={"include_usage": "no"},
         )  # fmt: skip
+
+
+def test_kv_dtype_is_the_servers_or_400(running):
+    """The pool stores one dtype, the server's (float32 for the demo): a body asking for
+    another is refused naming the flag that sets it, never ignored."""
+    body = {"model": "jkv-demo", "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+    assert post(running, "/v1/completions", {**body, "kv_dtype": "float32"}).status_code == 200
+    for value in ("bfloat16", "fp8", "fp9", 16):
+        r = post(running, "/v1/completions", {**body, "kv_dtype": value})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "kv_dtype" and "jkv serve --kv-dtype" in error["message"]
+        assert "float32" in error["message"], error
