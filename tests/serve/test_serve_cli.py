@@ -112,6 +112,8 @@ def test_plain_jkv_lists_serve_and_serve_help_shows_the_defaults(capsys):
     assert "--host HOST the address to listen on (default: 127.0.0.1)" in text
     assert "--port PORT the port to listen on (default: 8000)" in text
     assert "float8_e4m3fn (fp8)" in text and "(default: 30.0)" in text
+    assert "'smollm2' (SmolLM2-135M-Instruct" in text and "a GGUF file (.gguf)" in text
+    assert "--request-timeout REQUEST_TIMEOUT seconds a client has to send" in text
 
 
 @pytest.mark.parametrize(
@@ -125,6 +127,7 @@ def test_plain_jkv_lists_serve_and_serve_help_shows_the_defaults(capsys):
         (["--kv-budget", "lots"], "invalid number 'lots'"),
         (["--port", "70000"], "invalid port '70000'"),
         (["--shutdown-timeout", "-1"], "seconds >= 0"),
+        (["--request-timeout", "0"], "invalid '0': seconds > 0"),
         (["--kv-dtype", "fp9"], "kv_dtype='fp9' is not supported"),
         (["--max-queued-requests", "0"], "max_queued_requests=0"),
         (["--redis-url", "redis+cluster://h"], "node 'h' is not host:port"),
