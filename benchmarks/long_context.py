@@ -75,12 +75,12 @@ def materialised_attention(n_new, inv_freq):
     """The pre-chunking prefill attention: append, then softmax over a materialised
     [B, K, G, T, S] score tensor."""
 
-    def attention(layer_index, q, k, v, positions, layer):
+    def attention(layer_index, q, k, v, positions, layer, carry):
         k = rope(k, positions[:, :, None], inv_freq)
         layer = kvlib.append(layer, k, v, positions, n_new)
         q = rope(q, positions[:, :, None], inv_freq)
         q_valid = jnp.arange(q.shape[1])[None, :] < n_new[:, None]
-        return cached_attention_reference(q, positions, layer, q_valid=q_valid), layer
+        return cached_attention_reference(q, positions, layer, q_valid=q_valid), layer, carry
 
     attention.rotates_qk = True
     return attention
@@ -360,6 +360,11 @@ def xla_peaks(cfg, batch, seq_len, max_new, dtype, policy, chunk=PREFILL_CHUNK):
     prefill."""
     weights = param_shapes(cfg)
     w = nbytes(weights)  # read by the model steps (and EffiCache's compression) only
+    # The one-shot path runs its layers one by one over the stacked weights; XLA:CPU copies each
+    # layer's slice before its matmuls (all of them at once, or hoisted out of the decode loop),
+    # where a GPU's dynamic-slice fusion reads them in place: a platform's cost, not the cache's.
+    if jax.default_backend() == "cpu":
+        w += nbytes(weights["layers"])
     lengths = [seq_len] * batch
     plan = prefill_plan(cfg.num_layers, lengths, max_new, policy, chunk)
     key = None if policy is None else policy.jit_key()

@@ -24,9 +24,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jkv import sharding
 from jkv.kv import KV_DTYPES
 from jkv.tokenizer import Tokenizer
 from jkv_models.config import ModelConfig
+from jkv_models.llama import LAYERS, stack_layers
 
 _FINGERPRINTS: dict[tuple, tuple[str, list]] = {}  # (treedef, leaf ids) -> (digest, weakrefs)
 _FINGERPRINTS_LOCK = threading.Lock()
@@ -42,7 +44,8 @@ class Params:
     jit boundary or be mapped over with `jax.tree.map` (e.g. to cast dtypes).
 
     Args:
-        weights: nested dict of arrays, models.llama layout.
+        weights: nested dict of arrays, models.llama layout (the decoder layers stacked under
+            `layers`; a tree with one `layers_i` subtree per layer is stacked here).
         config: the model's shape and numerics.
         tokenizer: text <-> ids; None for token-id prompts only.
         name: the model's name in response-cache keys (see `jkv.response_cache.keys`).
@@ -71,6 +74,10 @@ class Params:
         *,
         version: str | None = None,
     ) -> None:
+        if isinstance(weights, dict) and LAYERS not in weights:
+            weights = stack_layers(weights)
+            if mesh is not None:  # each stacked tensor placed as its layers' slices were
+                weights = sharding.shard_params(weights, mesh)
         for field, value in (
             ("weights", weights),
             ("config", config),
@@ -145,18 +152,33 @@ def _flatten(weights) -> tuple[list, tuple]:
     return flat, (treedef, tuple(id(leaf) for _, leaf in flat))
 
 
+def file_tensors(weights):
+    """Yields (path, tensor) of every tensor as checkpoint files hold them: one per layer
+    (`layers_3/mlp/up_proj/kernel`, a slice of the stacked layers' host copy), the rest as they
+    are; one stacked tensor on the host at a time."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(weights)[0]:
+        name = path_str(path)
+        if name.startswith(LAYERS + "/"):
+            host = np.asarray(leaf)
+            for i in range(host.shape[0]):
+                yield f"layers_{i}{name[len(LAYERS) :]}", host[i]
+        else:
+            yield name, leaf
+
+
 def fingerprint(weights) -> str:
     """The version string of a weights tree: same names, dtypes, shapes and bytes, same string.
 
     Memoised on the identity of the leaves (and the tree's structure): the same arrays are
     hashed once, new arrays (a `jax.tree.map`) always afresh. Converters compute it tensor by
-    tensor while streaming (`tensor_digest`), with the same result as hashing the finished tree.
+    tensor while streaming (`tensor_digest`), with the same result as hashing the finished tree:
+    the tensors are hashed as the files hold them, one per layer (`file_tensors`).
     """
     flat, memo = _flatten(weights)
     found = _FINGERPRINTS.get(memo)
     if found is not None:
         return found[0]
-    digest = combine_digests({path_str(p): tensor_digest(leaf) for p, leaf in flat})
+    digest = combine_digests({p: tensor_digest(leaf) for p, leaf in file_tensors(weights)})
     _remember(memo, [leaf for _, leaf in flat], digest)
     return digest
 

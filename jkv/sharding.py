@@ -18,6 +18,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jkv_models.llama import LAYERS
+
 # logical axis -> mesh axis (None: replicated)
 RULES: Mapping[str, str | None] = {
     "batch": "data",
@@ -85,13 +87,15 @@ def to_host(x) -> np.ndarray:
 
 
 def param_axes(path: tuple[str, ...]) -> tuple[str, ...]:
-    """Logical axes of the parameter at `path` (e.g. ("layers_0", "mlp", "up_proj", "kernel"))."""
+    """Logical axes of the parameter at `path` (e.g. ("layers_0", "mlp", "up_proj", "kernel"));
+    the stacked layers' (`("layers", ...)`) have their leading layer axis unsharded."""
+    layers = (None,) if path[0] == LAYERS else ()
     if path[-1] == "scale":  # RMSNorm weights
-        return ("embed",)
+        return (*layers, "embed")
     key = tuple(path[-2:])
     if key not in PARAM_AXES:
         raise ValueError(f"parameter {'/'.join(path)} has no logical axes in jkv.sharding")
-    return PARAM_AXES[key]
+    return (*layers, *PARAM_AXES[key])
 
 
 def spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:

@@ -2,32 +2,47 @@
 
 A pure function of (params, tokens, positions, kv cache) -> (logits, kv cache). The model knows
 nothing of how the cache is stored: each attention layer hands its rotated q, k, v to an
-`attention` callable with that layer's opaque cache entry and gets the output and the new entry
-back. Without a cache the layer attends causally within the given tokens (training, scoring).
+`attention` callable with that layer's opaque cache entry (and a `carry` every layer reads and
+replaces, e.g. a page pool) and gets the output, the new entry and the new carry back. Without
+a cache the layer attends causally within the given tokens (training, scoring).
 
-Parameter names follow Hugging Face's module names so the converter is a short table:
-  embed_tokens/embedding [V, D]; layers_i/self_attn/{q,k,v}_proj/kernel [D, N|K, H],
-  o_proj/kernel [N, H, D]; layers_i/mlp/{gate,up}_proj/kernel [D, F], down_proj/kernel [F, D];
-  {input,post_attention}_layernorm/scale [D]; norm/scale [D]; lm_head/kernel [D, V] (untied only).
+The decoder layers run under `jax.lax.scan` over their stacked weights (MaxText's
+`scan_layers`): a program holds ONE layer body whatever the depth, so compiling a 30-layer model
+costs about what a 1-layer one does. Per-layer cache entries are scanned too (stacked on a
+leading L axis); a tuple of entries of different shapes (PyramidKV's layers) runs the layers
+one after another instead.
+
+Parameter names follow Hugging Face's module names; every decoder layer's tensors are stacked
+on a leading axis L under `layers` (`stack_layers`; checkpoint files keep one tensor per layer,
+`layers_i/...`, `unstack_layers`):
+  embed_tokens/embedding [V, D]; layers/self_attn/{q,k,v}_proj/kernel [L, D, N|K, H],
+  o_proj/kernel [L, N, H, D]; layers/mlp/{gate,up}_proj/kernel [L, D, F], down_proj/kernel
+  [L, F, D]; layers/{input,post_attention}_layernorm/scale [L, D]; norm/scale [D];
+  lm_head/kernel [D, V] (untied only).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jkv_models.config import ModelConfig
 
-# attention(layer, q [B,T,N,H], k [B,T,K,H], v [B,T,K,H], positions [B,T], cache) -> (out, cache)
-# q and k arrive rotated by RoPE at `positions`, or as they left the projections when the
-# callable has a true `rotates_qk` attribute (it then applies `apply_rope` itself, e.g. at
-# positions of its own choosing).
+# attention(layer, q [B,T,N,H], k [B,T,K,H], v [B,T,K,H], positions [B,T], entry, carry)
+#   -> (out [B,T,N,H], entry, carry)
+# `layer` is the layer's index: a traced int32 under the layer scan, a Python int when the
+# layers run one by one (a tuple of cache entries). `entry` is the layer's cache entry (None
+# without a cache), `carry` what the previous layer's call returned (None if unused). q and k
+# arrive rotated by RoPE at `positions`, or as they left the projections when the callable has
+# a true `rotates_qk` attribute (it then applies `apply_rope` itself, e.g. at positions of its
+# own choosing).
 AttentionFn = Callable[
-    [int, jax.Array, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]
+    [Any, jax.Array, jax.Array, jax.Array, jax.Array, Any, Any], tuple[jax.Array, Any, Any]
 ]
 
 
@@ -129,10 +144,9 @@ class OutProj(nn.Module):
 
 class Attention(nn.Module):
     config: ModelConfig
-    layer: int
 
     @nn.compact
-    def __call__(self, x, positions, cache, attention: AttentionFn | None):
+    def __call__(self, x, positions, layer, entry, carry, attention: AttentionFn | None):
         cfg = self.config
         dt = jnp.dtype(cfg.dtype)
         n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -148,9 +162,9 @@ class Attention(nn.Module):
                 q, key, val, positions, positions, sliding_window=cfg.sliding_window
             )
         else:
-            out, cache = attention(self.layer, q, key, val, positions, cache)
+            out, entry, carry = attention(layer, q, key, val, positions, entry, carry)
         out = OutProj(cfg.hidden_size, dt, cfg.o_bias, name="o_proj")(out)
-        return out, cache
+        return out, entry, carry
 
 
 class MLP(nn.Module):
@@ -166,25 +180,27 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """One layer; its parameters are one slice of the stacked `layers` tree."""
+
     config: ModelConfig
-    layer: int
 
     @nn.compact
-    def __call__(self, x, positions, cache, attention):
+    def __call__(self, x, positions, layer, entry, carry, attention):
         cfg = self.config
         dt = jnp.dtype(cfg.dtype)
-        h, cache = Attention(cfg, self.layer, name="self_attn")(
-            RMSNorm(cfg.rms_norm_eps, dt, name="input_layernorm")(x), positions, cache, attention
-        )
+        h, entry, carry = Attention(cfg, name="self_attn")(
+            RMSNorm(cfg.rms_norm_eps, dt, name="input_layernorm")(x),
+            positions, layer, entry, carry, attention,
+        )  # fmt: skip
         x = x + h
         x = x + MLP(cfg, name="mlp")(
             RMSNorm(cfg.rms_norm_eps, dt, name="post_attention_layernorm")(x)
         )
-        return x, cache
+        return x, entry, carry
 
 
-class Llama(nn.Module):
-    """The decoder. `__call__` returns final-norm hidden states; `logits` projects to the vocab."""
+class Ends(nn.Module):
+    """What is not a decoder layer: the embedding, the final norm, the output projection."""
 
     config: ModelConfig
 
@@ -198,24 +214,15 @@ class Llama(nn.Module):
             param_dtype=dt,
             embedding_init=nn.initializers.normal(0.02),
         )
-        self.layers = [DecoderLayer(cfg, i) for i in range(cfg.num_layers)]
         self.norm = RMSNorm(cfg.rms_norm_eps, dt)
         if not cfg.tie_word_embeddings:
             self.lm_head = _dense(cfg.vocab_size, "lm_head", dt)
 
-    def __call__(
-        self,
-        tokens,
-        positions,
-        cache: Sequence[Any] | None = None,
-        attention: AttentionFn | None = None,
-    ):
-        x = self.embed_tokens(tokens)  # [B, T, D]
-        new_cache = []
-        for i, layer in enumerate(self.layers):
-            x, entry = layer(x, positions, None if cache is None else cache[i], attention)
-            new_cache.append(entry)
-        return self.norm(x), (None if cache is None else tuple(new_cache))
+    def embed(self, tokens):
+        return self.embed_tokens(tokens)  # [B, T, D]
+
+    def final_norm(self, x):
+        return self.norm(x)
 
     def logits(self, hidden):
         if self.config.tie_word_embeddings:
@@ -224,17 +231,68 @@ class Llama(nn.Module):
             out = self.lm_head(hidden)
         return out.astype(jnp.float32)
 
-    def embed(self, tokens, positions):
-        """Final hidden states and logits in one pass (used by init)."""
-        hidden, _ = self(tokens, positions)
-        return self.logits(hidden)
+    def __call__(self, tokens):  # init: every parameter of the ends
+        return self.logits(self.final_norm(self.embed(tokens)))
+
+
+def _ends(params) -> dict:
+    return {"params": {n: p for n, p in params.items() if n != LAYERS}}
+
+
+LAYERS = "layers"  # the stacked decoder layers' subtree
+
+
+def run_layers(params, config: ModelConfig, x, positions, cache=None, attention=None, carry=None):
+    """The decoder layers over hidden states x `[B, T, D]`: under `lax.scan` over the stacked
+    weights (and `cache`'s stacked entries, if any), or one by one when `cache` is a tuple of
+    per-layer entries. Returns (x, the new cache, the final carry)."""
+    layer = DecoderLayer(config)
+
+    def one(weights, x, index, entry, carry):
+        return layer.apply({"params": weights}, x, positions, index, entry, carry, attention)
+
+    stacked = params[LAYERS]
+    if isinstance(cache, tuple | list):  # entries of different shapes: one layer at a time
+        if len(cache) != config.num_layers:
+            raise ValueError(f"{len(cache)} cache entries for {config.num_layers} layers")
+        entries = []
+        for i, entry in enumerate(cache):
+            x, entry, carry = one(_layer_weights(stacked, i), x, i, entry, carry)
+            entries.append(entry)
+        return x, tuple(entries), carry
+
+    def body(c, xs):
+        x, carry = c
+        weights, index, entry = xs
+        x, entry, carry = one(weights, x, index, entry, carry)
+        return (x, carry), entry
+
+    index = jnp.arange(config.num_layers, dtype=jnp.int32)
+    (x, carry), entries = jax.lax.scan(body, (x, carry), (stacked, index, cache))
+    return x, entries, carry
+
+
+def _layer_weights(stacked, i: int):
+    """Layer i's weights, read in place from the stacked tensors: a dynamic index XLA cannot
+    fold into a static slice (which XLA:CPU copies, and hoists out of a decode loop: a second
+    copy of every weight)."""
+    (index,) = jax.lax.optimization_barrier((jnp.int32(i),))
+    return jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, index, keepdims=False), stacked)
 
 
 def init_params(config: ModelConfig, key: jax.Array) -> dict:
-    """Random parameters (normal(0.02) weights, unit norms), as a plain nested dict."""
+    """Random parameters (normal(0.02) weights, unit norms), as a plain nested dict with the
+    decoder layers stacked under `layers`."""
     tokens = jnp.zeros((1, 2), jnp.int32)
-    variables = Llama(config).init(key, tokens, jnp.zeros((1, 2), jnp.int32), method=Llama.embed)
-    return variables["params"]
+    ends_key, layers_key = jax.random.split(key)
+    params = dict(Ends(config).init(ends_key, tokens)["params"])
+    x = jnp.zeros((1, 2, config.hidden_size), jnp.dtype(config.dtype))
+
+    def one(k):
+        return DecoderLayer(config).init(k, x, tokens, 0, None, None, None)["params"]
+
+    params[LAYERS] = jax.vmap(one)(jax.random.split(layers_key, config.num_layers))
+    return params
 
 
 def param_shapes(config: ModelConfig) -> dict:
@@ -242,9 +300,53 @@ def param_shapes(config: ModelConfig) -> dict:
     return jax.eval_shape(lambda k: init_params(config, k), jax.random.key(0))
 
 
+def stack_layers(weights: dict) -> dict:
+    """A tree with one subtree per layer (`layers_0`, `layers_1`, ...: checkpoint files' and
+    older jkv trees' layout) as the model's, the layers stacked under `layers`; a tree already
+    stacked is returned as it is."""
+    names = sorted((k for k in weights if k.startswith("layers_")), key=lambda k: int(k[7:]))
+    if not names:
+        return weights
+    if names != [f"layers_{i}" for i in range(len(names))]:
+        raise ValueError(f"layer subtrees {names}: expected layers_0 .. layers_{len(names) - 1}")
+    out = {k: v for k, v in weights.items() if not k.startswith("layers_")}
+    out[LAYERS] = jax.tree.map(lambda *xs: _stack(xs), *(weights[k] for k in names))
+    return out
+
+
+def _stack(xs):
+    if isinstance(xs[0], jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct((len(xs), *xs[0].shape), xs[0].dtype)
+    if all(isinstance(x, jax.Array) for x in xs):
+        return jnp.stack(xs)
+    return jnp.asarray(np.stack([np.asarray(x) for x in xs]))
+
+
+def unstack_layers(weights: dict) -> dict:
+    """The model's tree with its stacked `layers` as one subtree per layer (`layers_i`): the
+    layout checkpoint files name tensors by. Leaves are views where the arrays allow."""
+    if LAYERS not in weights:
+        return weights
+    out = {k: v for k, v in weights.items() if k != LAYERS}
+    leaves, treedef = jax.tree.flatten(weights[LAYERS])
+    n = leaves[0].shape[0]
+    for i in range(n):
+        out[f"layers_{i}"] = jax.tree.unflatten(treedef, [_slice(x, i) for x in leaves])
+    return out
+
+
+def _slice(x, i):
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+    return x[i]
+
+
 def hidden_states(params, config: ModelConfig, tokens, positions):
     """Final-norm hidden states `[B, T, D]` of a cache-free causal pass (embeddings, probes)."""
-    return Llama(config).apply({"params": params}, tokens, positions)[0]
+    ends = Ends(config)
+    x = ends.apply(_ends(params), tokens, method=Ends.embed)
+    x, _, _ = run_layers(params, config, x, positions)
+    return ends.apply(_ends(params), x, method=Ends.final_norm)
 
 
 def forward(
@@ -256,28 +358,38 @@ def forward(
     attention: AttentionFn | None = None,
     *,
     logits_at=None,
+    carry=None,
 ):
     """Runs the decoder.
 
     Args:
-      params: the parameter tree (`init_params` layout).
+      params: the parameter tree (`init_params` layout: the layers stacked).
       config: the model config (static under jit).
       tokens: `[B, T]` int32 token ids.
       positions: `[B, T]` int32 absolute positions (RoPE angles and causal order).
-      cache: per-layer cache entries (a sequence of L opaque pytrees) or None.
-      attention: called by every layer as `attention(layer, q, k, v, positions, cache_entry)`;
-        None: causal attention within `tokens` (no cache).
+      cache: the layers' cache entries, stacked on a leading L axis (scanned), or a tuple of L
+        entries (the layers then run one by one), or None.
+      attention: called by every layer as `attention(layer, q, k, v, positions, entry, carry)`
+        (`AttentionFn`); None: causal attention within `tokens` (no cache).
       logits_at: optional `[B]` int32 index of the one position per row whose logits are wanted,
         or `[B, R]` of R positions per row (a flattened batch of ragged rows).
+      carry: what the first layer's `attention` call receives (e.g. the engine's page pool);
+        each call's returned carry goes to the next layer's.
 
     Returns:
-      (logits float32 `[B, T, V]`, or `[B, V]` (`[B, R, V]`) with `logits_at`; the new cache or
-      None).
+      (logits float32 `[B, T, V]`, or `[B, V]` (`[B, R, V]`) with `logits_at`; the new cache
+      (stacked like `cache`; with `cache=None`, whatever the calls returned as their entries,
+      stacked); and, when `carry` is given, the last layer's carry as a third value).
     """
-    model = Llama(config)
-    hidden, cache = model.apply({"params": params}, tokens, positions, cache, attention)
+    ends = Ends(config)
+    x = ends.apply(_ends(params), tokens, method=Ends.embed)
+    x, cache, out_carry = run_layers(params, config, x, positions, cache, attention, carry)
+    hidden = ends.apply(_ends(params), x, method=Ends.final_norm)
     if logits_at is not None and logits_at.ndim == 2:
         hidden = jnp.take_along_axis(hidden, logits_at[:, :, None], axis=1)  # [B, R, D]
     elif logits_at is not None:
         hidden = jnp.take_along_axis(hidden, logits_at[:, None, None], axis=1)[:, 0]  # [B, D]
-    return model.apply({"params": params}, hidden, method=Llama.logits), cache
+    logits = ends.apply(_ends(params), hidden, method=Ends.logits)
+    if carry is not None:
+        return logits, cache, out_carry
+    return logits, cache

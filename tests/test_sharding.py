@@ -23,8 +23,8 @@ SCRIPT = textwrap.dedent(
     mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
     plain = jkv.load(folder)
     sharded = jkv.load(folder, mesh=mesh)
-    q = sharded.weights["layers_0"]["self_attn"]["q_proj"]["kernel"]
-    assert q.sharding.spec == jax.sharding.PartitionSpec(None, "model", None), q.sharding
+    q = sharded.weights["layers"]["self_attn"]["q_proj"]["kernel"]  # [L, D, N, H]
+    assert q.sharding.spec == jax.sharding.PartitionSpec(None, None, "model", None), q.sharding
     assert len(q.addressable_shards) == 4
     prompts = [[5, 9, 11, 3, 7], [4, 8, 15, 16, 23, 42, 7, 9, 10]]
     a = jkv.generate(plain, prompts, max_new_tokens=16)

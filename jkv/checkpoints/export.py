@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from jkv.checkpoints import hf
-from jkv.params import Params, path_str
+from jkv.params import Params, file_tensors
 
 
 def _to_hf(path: str, value: np.ndarray, config) -> tuple[str, np.ndarray]:
@@ -45,8 +45,8 @@ def export_hf(params: Params, folder: str | Path, *, overwrite: bool = False) ->
     folder.mkdir(parents=True, exist_ok=True)
     cfg = params.config
     tensors = {}
-    for p, leaf in jax.tree_util.tree_flatten_with_path(params.weights)[0]:
-        name, value = _to_hf(path_str(p), np.asarray(leaf), cfg)
+    for path, leaf in file_tensors(params.weights):
+        name, value = _to_hf(path, np.asarray(leaf), cfg)
         tensors[name] = jax.numpy.asarray(value)
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     hf_config = cfg.to_hf_config()

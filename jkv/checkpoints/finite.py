@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jkv.params import path_str
+from jkv_models.llama import LAYERS
 
 _CHUNK = 1 << 22  # elements per step: bounds the temporaries to a few MB
 _EXPONENT_BITS = {  # dtype -> (unsigned view, exponent mask)
@@ -63,7 +64,17 @@ def check_tree(weights, where: str) -> None:
         shards = getattr(leaf, "addressable_shards", None)  # host arrays are one piece
         parts = [leaf] if shards is None else [s.data for s in shards if s.replica_id == 0]
         bad = sum(count_nonfinite(np.asarray(part)) for part in parts)
-        _refuse(bad, leaf.size, where, path_str(path))
+        name = path_str(path)
+        if bad and name.startswith(LAYERS + "/"):  # name the first layer's tensor, as files do
+            host = np.asarray(leaf)
+            i = next(i for i in range(host.shape[0]) if count_nonfinite(host[i]))
+            name, bad, size = (
+                f"layers_{i}{name[len(LAYERS) :]}",
+                count_nonfinite(host[i]),
+                host[i].size,
+            )
+            _refuse(bad, size, where, name)
+        _refuse(bad, leaf.size, where, name)
 
 
 def _refuse(bad: int, size: int, where: str, tensor: str) -> None:

@@ -21,7 +21,7 @@ from jkv.checkpoints.names import choose_name
 from jkv.params import Params, combine_digests, path_str, tensor_digest
 from jkv.tokenizer import Tokenizer, read_special_ids
 from jkv_models.config import ModelConfig
-from jkv_models.llama import param_shapes
+from jkv_models.llama import param_shapes, unstack_layers
 
 # (HF name, our path, HF shape(config), transform(array, config)); `{i}` is the layer index.
 _Rule = tuple[
@@ -160,9 +160,10 @@ _BY_PATH = [(_pattern(rule[1]), rule) for rule in TABLE]
 
 
 def expected_paths(config: ModelConfig) -> set[str]:
-    """Every parameter path the model needs (from the model definition, not the table)."""
+    """Every parameter path the model needs, one per layer as files hold them (from the model
+    definition, not the table)."""
 
-    leaves = jax.tree_util.tree_flatten_with_path(param_shapes(config))[0]
+    leaves = jax.tree_util.tree_flatten_with_path(unstack_layers(param_shapes(config)))[0]
     return {path_str(p) for p, _ in leaves}
 
 

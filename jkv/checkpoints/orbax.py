@@ -23,9 +23,10 @@ from jkv.checkpoints.names import choose_name
 from jkv.params import Params
 from jkv.tokenizer import Tokenizer
 from jkv_models.config import ModelConfig, RopeScaling
-from jkv_models.llama import param_shapes
+from jkv_models.llama import param_shapes, unstack_layers
 
-FORMAT = 1
+FORMAT = 2  # 2: the decoder layers stacked (`jkv_models.llama.stack_layers`); 1: one per layer
+READS = (1, 2)
 MARKER = "jkv.json"
 
 
@@ -105,7 +106,10 @@ def load_saved(
             leaf.shape, leaf.dtype, sharding=sharding.param_sharding(names, leaf.shape, mesh)
         )
 
-    abstract = jax.tree_util.tree_map_with_path(target, param_shapes(config))
+    shapes = param_shapes(config)
+    if meta["format"] == 1:  # saved before the layers were stacked: restored, then stacked
+        shapes = unstack_layers(shapes)
+    abstract = jax.tree_util.tree_map_with_path(target, shapes)
     try:
         with ocp.StandardCheckpointer() as ckptr:
             weights = ckptr.restore(folder / "weights", abstract)
@@ -131,9 +135,9 @@ def read_meta(folder: Path) -> dict:
         meta = json.loads(marker.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"{marker}: cannot read jkv metadata ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+    if not isinstance(meta, dict) or meta.get("format") not in READS:
         found = meta.get("format") if isinstance(meta, dict) else meta
-        raise ValueError(f"{marker}: format={found!r}; this jkv reads format {FORMAT}")
+        raise ValueError(f"{marker}: format={found!r}; this jkv reads formats {READS}")
     return meta
 
 

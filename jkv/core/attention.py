@@ -292,7 +292,7 @@ def make_attention(
             "another policy or the full cache"
         )
 
-    def attention(layer_index, q, k, v, positions, layer: kvlib.LayerKV):
+    def attention(layer_index, q, k, v, positions, layer: kvlib.LayerKV, carry):
         t = q.shape[1]
         decoding = t == 1
         start = policy.write_slots(layer, positions[:, 0], limit) if active and decoding else None
@@ -331,7 +331,7 @@ def make_attention(
         out, mass = res if want_mass else (res, None)
         if active:
             layer = policy.observe(layer_index, layer, q, positions, n_new, mass, kernels)
-        return out, layer
+        return out, layer, carry
 
     attention.rotates_qk = True
     return attention

@@ -9,8 +9,9 @@ blocks' pages per (layer, kv head) in `block_pages`, a compressed head's kept to
 `base` count in the first `n_prefix` blocks, everything else (all of an uncompressed row) in the
 tail, token t of the tail at slot n_prefix * page_size + t of every head.
 
-The pool travels through the layers as one value (`PoolState`): a layer's writes are in the
-pool the next layer reads, and the whole step updates the donated buffers in place.
+The pool travels through the layers as the model's carry (a dict of its arrays, under the layer
+scan): a layer's writes are in the pool the next layer reads, and the whole step updates the
+donated buffers in place.
 
 Over a mesh (`mesh`: the engine sharded over kv heads), the pool's pages are split in equal
 segments, one per "model" device, a kv head's pages in the segment of the device owning the
@@ -22,7 +23,6 @@ another's pages.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -177,17 +177,18 @@ def write_tokens(pool, at, k, v, positions, kv_dtype: str):
 
 
 def make_paged_attention(
-    state: dict, rows: PagedRows, *, config, backend: str, kv_dtype: str, mesh=None,
-    write: bool = True, evict=None,
+    rows: PagedRows, *, config, backend: str, kv_dtype: str, mesh=None, write: bool = True,
+    evict=None,
 ):  # fmt: skip
     """The per-layer callable the model calls on the flattened step: rotate q and k at their
-    positions, write k and v into the pool `state["pool"]` (replaced by the updated pool), attend
-    through the rows' page tables. `state` carries the pool from layer to layer. `mesh`: the
-    pool is sharded over kv heads on its "model" axis; each device runs its own heads.
-    `write=False`: the tokens are in the pool already (a second pass over some of them, the
-    engine's selection); nothing is written, and each layer's rotated queries `[T, N, H]` are
-    appended to `state["q"]`. `evict`: H2O's slot rule (`jkv.policies.h2o.lightest_slots`),
-    for a step with H2O's rows (`rows.mass`), whose queries also add to the pool's mass."""
+    positions, write k and v into the pool (the model's `carry`: a dict of the pool's arrays,
+    each layer's call returning the updated one), attend through the rows' page tables.
+    `mesh`: the pool is sharded over kv heads on its "model" axis; each device runs its own
+    heads. `write=False`: the tokens are in the pool already (a second pass over some of them,
+    the engine's selection); nothing is written, and each layer's rotated queries `[T, N, H]`
+    are its cache entry (stacked by the model: `[L, T, N, H]`). `evict`: H2O's slot rule
+    (`jkv.policies.h2o.lightest_slots`), for a step with H2O's rows (`rows.mass`), whose
+    queries also add to the pool's mass."""
     kernels = ops(backend)
     inv_freq = jnp.asarray(config.inv_freq())
 
@@ -234,23 +235,22 @@ def make_paged_attention(
                                    config.sliding_window)  # fmt: skip
         return out[None], pool
 
-    def attention(layer, q, k, v, positions, cache):
+    def attention(layer, q, k, v, positions, entry, pool):
         if not write:
-            state.setdefault("q", []).append(rope(q, ranks(positions, rows)[:, :, None],
-                                                  inv_freq)[0])  # fmt: skip
+            entry = rope(q, ranks(positions, rows)[:, :, None], inv_freq)[0]
         if mesh is None:
-            out, state["pool"] = local(layer, q, k, v, positions, state["pool"], rows)
-            return out, cache
+            out, pool = local(layer, q, k, v, positions, pool, rows)
+            return out, entry, pool
         heads = P(None, None, "model", None)  # [1, T, N or K, H]
-        pages = {n: P() if n == "block_pages" else P("model") for n in state["pool"]}
-        out, state["pool"] = jax.shard_map(
-            functools.partial(local, layer),
+        pages = {n: P() if n == "block_pages" else P("model") for n in pool}
+        out, pool = jax.shard_map(
+            local,
             mesh=mesh,
-            in_specs=(heads, heads, heads, P(), pages, P()),
+            in_specs=(P(), heads, heads, heads, P(), pages, P()),
             out_specs=(heads, pages),
             check_vma=False,
-        )(q, k, v, positions, state["pool"], rows)
-        return out, cache
+        )(jnp.asarray(layer, jnp.int32), q, k, v, positions, pool, rows)
+        return out, entry, pool
 
     attention.rotates_qk = True
     return attention

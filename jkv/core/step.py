@@ -67,11 +67,14 @@ def next_positions(kv: kvlib.KVState, t: int) -> jax.Array:
     return kv.next_position[:, None] + jnp.arange(t, dtype=jnp.int32)
 
 
-def flat_step(weights, config: ModelConfig, tokens, positions, attend, logits_at) -> jax.Array:
+def flat_step(weights, config: ModelConfig, tokens, positions, attend, logits_at, pool):
     """THE model over one flattened batch of tokens `[T]` at `positions` `[T]` (the engine's
-    rows one after another; `attend` knows which token is whose, `jkv.core.paged`). Returns
-    float32 logits `[R, V]` at the `logits_at` `[R]` tokens."""
-    logits, _ = forward(
-        weights, config, tokens[None], positions[None], None, attend, logits_at=logits_at[None]
-    )
-    return logits[0]
+    rows one after another; `attend` knows which token is whose, `jkv.core.paged`), the page
+    `pool` (a dict of arrays) carried from layer to layer. Returns (float32 logits `[R, V]` at
+    the `logits_at` `[R]` tokens, what the layers returned as cache entries, stacked, the
+    pool)."""
+    logits, entries, pool = forward(
+        weights, config, tokens[None], positions[None], None, attend, logits_at=logits_at[None],
+        carry=pool,
+    )  # fmt: skip
+    return logits[0], entries, pool

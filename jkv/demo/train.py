@@ -40,6 +40,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
+from jkv.checkpoints.orbax import FORMAT
 from jkv.demo import haystack
 from jkv.demo.tokenizer import save_tokenizer
 from jkv_models.config import ModelConfig
@@ -161,7 +162,7 @@ def _positions(tokens):
 ATTENTION_BLOCK = 128
 
 
-def training_attention(layer, q, k, v, positions, cache):
+def training_attention(layer, q, k, v, positions, cache, carry):
     """Causal attention for rows at positions 0..T-1, in query blocks that skip masked keys.
 
     The same maths as the model's own causal attention (`jkv_models.llama.causal_attention`), but
@@ -179,7 +180,7 @@ def training_attention(layer, q, k, v, positions, cache):
         causal = np.arange(start, end)[:, None] >= np.arange(end)[None, :]  # [T', S'] static
         probs = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1)
         outs.append(jnp.einsum("bkgts,bskh->btkgh", probs, v[:, :end]))  # [B, T', K, G, H]
-    return jnp.concatenate(outs, axis=1).reshape(b, t, n, h), cache
+    return jnp.concatenate(outs, axis=1).reshape(b, t, n, h), cache, carry
 
 
 @functools.cache
@@ -318,7 +319,7 @@ def export(params, config: ModelConfig, folder: str | Path, record: dict | None 
     save_tokenizer(tmp / "tokenizer.json")
     cfg = dataclasses.asdict(config)
     cfg["eos_token_ids"] = list(config.eos_token_ids)
-    meta = {"format": 1, "name": NAME, "version": fingerprint(params), "config": cfg}
+    meta = {"format": FORMAT, "name": NAME, "version": fingerprint(params), "config": cfg}
     (tmp / "jkv.json").write_text(json.dumps(meta, indent=2) + "\n")
     if record is not None:
         stages = curriculum(record["hparams"]["context"])

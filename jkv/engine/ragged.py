@@ -61,16 +61,14 @@ def ragged_step(
     scales = ("k_scale", "v_scale") if pool.k_scale is not None else ()
     mass = ("mass",) if rows.mass is not None else ()  # H2O's rows read and add to it
     names = ("k", "v", "positions", "block_pages", *scales, *mass)
-    state = {"pool": {n: getattr(pool, n) for n in names}}
     attend = make_paged_attention(
-        state, rows, config=config, backend=backend, kv_dtype=dtype, mesh=mesh,
-        evict=lightest_slots,
-    )  # fmt: skip
+        rows, config=config, backend=backend, kv_dtype=dtype, mesh=mesh, evict=lightest_slots
+    )
     last = rows.q_start + jnp.maximum(rows.q_len - 1, 0)  # [R]
-    logits = flat_step(weights, config, tokens, positions, attend, last)  # [R, V]
+    logits, _, new = flat_step(weights, config, tokens, positions, attend, last,
+                               {n: getattr(pool, n) for n in names})  # fmt: skip
     tok = sample(logits, sampling, sample_index)
     tok = jnp.zeros_like(last_tok).at[: tok.shape[0]].set(tok)  # one shape: the next step's input
-    new = state["pool"]
     return tok, dataclasses.replace(pool, **{n: new[n] for n in names if n != "block_pages"})
 
 

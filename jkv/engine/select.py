@@ -77,13 +77,13 @@ def paged_select(
     queries = None
     if policy.observes and not policy.wants_mass:
         scales = ("k_scale", "v_scale") if pool.k_scale is not None else ()
-        state = {"pool": {n: getattr(pool, n) for n in ("k", "v", "positions", "block_pages",
-                                                        *scales)}}  # fmt: skip
-        attend = make_paged_attention(state, rows, config=config, backend=backend,
-                                      kv_dtype=dtype, write=False)  # fmt: skip
+        names = ("k", "v", "positions", "block_pages", *scales)
+        attend = make_paged_attention(rows, config=config, backend=backend, kv_dtype=dtype,
+                                      write=False)  # fmt: skip
         last = rows.q_start + jnp.maximum(rows.q_len - 1, 0)
-        flat_step(weights, config, tokens, positions, attend, last)
-        queries = state["q"]  # L x [T, N, H] rotated
+        _, queries, _ = flat_step(
+            weights, config, tokens, positions, attend, last, {n: getattr(pool, n) for n in names}
+        )  # [L, T, N, H] rotated
     kernels = ops(backend)
     index_rows = Rows(rows.tables, rows.base, rows.n_prefix, rows.held, jnp.zeros(e, bool))
     dense = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (e, kh, s))

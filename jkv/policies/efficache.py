@@ -37,13 +37,13 @@ def head_sensitivity(weights, config, tokens, n_prompt):
     real = jnp.arange(t)[None, :] < n_prompt[:, None]
 
     def loss(gates):  # [B, L, N], all ones
-        def attention(layer, q, k, v, pos, cache):
+        def attention(layer, q, k, v, pos, cache, carry):
             out = causal_attention(
                 q, k, v, pos, pos, sliding_window=config.sliding_window, k_valid=real
             )
-            return out * gates[:, layer, None, :, None].astype(out.dtype), cache
+            return out * gates[:, layer, None, :, None].astype(out.dtype), cache, carry
 
-        logits, _ = forward(weights, config, tokens, positions, [None] * nl, attention)
+        logits, _ = forward(weights, config, tokens, positions, None, attention)
         logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
         nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
         return jnp.sum(jnp.where(real[:, 1:], nll, 0.0))

@@ -28,8 +28,8 @@ def test_hf_tensor_with_non_finite_values(hf_checkpoint, tmp_path, bad):
 def test_jkv_folder_with_non_finite_values(hf_checkpoint, tmp_path, dtype):
     params = jkv.load(hf_checkpoint("llama"), dtype=dtype)
     weights = jax.tree.map(lambda x: x, params.weights)  # fresh dicts, same arrays
-    norm = weights["layers_0"]["input_layernorm"]
-    norm["scale"] = norm["scale"].at[0].set(np.nan)
+    norm = weights["layers"]["input_layernorm"]  # stacked: layer 0's is row 0
+    norm["scale"] = norm["scale"].at[0, 0].set(np.nan)
     out = jkv.save(params.replace(weights=weights), tmp_path / "saved")
     match = r"saved/weights: tensor 'layers_0/input_layernorm/scale' holds 1 NaN/Inf"
     with pytest.raises(ValueError, match=match):

@@ -62,7 +62,7 @@ def test_final_folder_is_a_jkv_checkpoint(runs):
     names = sorted(p.name for p in final.iterdir())
     assert names == ["jkv.json", "tokenizer.json", "training.json", "weights"]
     meta = json.loads((final / "jkv.json").read_text())
-    assert meta["format"] == 1 and meta["name"] == "jkv-demo" and len(meta["version"]) == 16
+    assert meta["format"] == 2 and meta["name"] == "jkv-demo" and len(meta["version"]) == 16
     cfg = meta["config"]
     assert cfg["vocab_size"] == len(haystack.VOCAB)
     assert cfg["max_position_embeddings"] == 128  # the longest stage trained (stage 2: T=128)

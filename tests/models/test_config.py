@@ -30,9 +30,10 @@ def test_preset_shapes_via_eval_shape(name):
     leaves = jax.tree_util.tree_leaves(shapes)
     assert sum(int(np.prod(x.shape)) for x in leaves) == PUBLISHED[name] == cfg.num_params()
     assert {str(x.dtype) for x in leaves} == {"bfloat16"}
-    attn = shapes["layers_0"]["self_attn"]
-    assert attn["q_proj"]["kernel"].shape == (cfg.hidden_size, cfg.num_heads, cfg.head_dim)
-    assert attn["k_proj"]["kernel"].shape == (cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim)
+    attn = shapes["layers"]["self_attn"]  # the decoder layers stacked on a leading axis
+    n, d, h = cfg.num_layers, cfg.hidden_size, cfg.head_dim
+    assert attn["q_proj"]["kernel"].shape == (n, d, cfg.num_heads, h)
+    assert attn["k_proj"]["kernel"].shape == (n, d, cfg.num_kv_heads, h)
     assert ("lm_head" in shapes) == (not cfg.tie_word_embeddings)
 
 

@@ -9,7 +9,13 @@ import numpy as np
 from jkv import kv
 from jkv.core import attention
 from jkv_models.config import ModelConfig
-from jkv_models.llama import causal_attention, forward, init_params
+from jkv_models.llama import (
+    causal_attention,
+    forward,
+    init_params,
+    stack_layers,
+    unstack_layers,
+)
 
 CFG = ModelConfig(
     vocab_size=64,
@@ -96,3 +102,44 @@ def test_empty_cache_row_gives_zeros_not_nan():
     q = jnp.ones((1, 1, 4, 8))
     out = attention.cached_attention_reference(q, jnp.zeros((1, 1), jnp.int32), state.layers[0])
     assert np.all(np.asarray(out) == 0)
+
+
+def _hlo_ops(cfg) -> int:
+    """Instructions in the optimised program of one cached forward pass of `cfg`."""
+    params = jax.eval_shape(lambda k: init_params(cfg, k), jax.random.key(0))
+    state = kv.init_state(num_layers=cfg.num_layers, batch=1, num_kv_heads=cfg.num_kv_heads,
+                          head_dim=cfg.head_dim, capacity=32, dtype="float32")  # fmt: skip
+    layers = jax.tree.map(lambda *xs: jnp.stack(xs), *state.layers)  # stacked entries: scanned
+
+    def step(params, tokens, layers):
+        attend = attention.make_attention(
+            jnp.ones((1,), jnp.int32), sliding_window=None, inv_freq=jnp.asarray(cfg.inv_freq())
+        )
+        return forward(params, cfg, tokens, jnp.zeros((1, 1), jnp.int32), layers, attend)
+
+    text = jax.jit(step).lower(params, jnp.zeros((1, 1), jnp.int32), layers).compile().as_text()
+    return sum(" = " in line for line in text.splitlines())
+
+
+def test_the_layers_compile_once_whatever_the_depth():
+    """The decoder layers run under `lax.scan`: a 12-layer model's program holds one layer
+    body, as a 2-layer one's does (unrolled, it would hold 6x the layers' instructions)."""
+    two, twelve = _hlo_ops(CFG), _hlo_ops(CFG.replace(num_layers=12))
+    assert twelve <= two * 1.05, (two, twelve)
+
+
+def test_per_layer_trees_are_stacked_and_back():
+    params = init_params(CFG, jax.random.key(4))
+    per_layer = unstack_layers(params)
+    assert sorted(k for k in per_layer if k.startswith("layers")) == ["layers_0", "layers_1"]
+    q1 = per_layer["layers_1"]["self_attn"]["q_proj"]["kernel"]
+    np.testing.assert_array_equal(q1, params["layers"]["self_attn"]["q_proj"]["kernel"][1])
+    again = stack_layers(per_layer)
+    assert jax.tree.structure(again) == jax.tree.structure(params)
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    tokens = jnp.arange(6)[None] % CFG.vocab_size
+    np.testing.assert_array_equal(  # layer i's weights are the stack's row i, in order
+        forward(again, CFG, tokens, jnp.arange(6)[None])[0],
+        forward(params, CFG, tokens, jnp.arange(6)[None])[0],
+    )

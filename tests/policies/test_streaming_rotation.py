@@ -97,7 +97,9 @@ def test_attention_equals_numpy_at_contiguous_cache_positions(backend, offset):
             inv_freq=jnp.asarray(inv_freq, jnp.float32),
         )
         f32 = lambda x: jnp.asarray(x[None, i:j], jnp.float32)  # noqa: E731
-        return attend(0, f32(qs), f32(ks), f32(vs), jnp.asarray([positions[i:j]], jnp.int32), layer)
+        pos = jnp.asarray([positions[i:j]], jnp.int32)
+        out, layer, _ = attend(0, f32(qs), f32(ks), f32(vs), pos, layer, None)
+        return out, layer
 
     got = []
     for i in range(n_decode):
