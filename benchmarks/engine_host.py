@@ -56,7 +56,7 @@ def packed(plan, tables, group, chunk=2048):
     if NEW:
         from jkv.engine.ragged import pack_ragged
 
-        return pack_ragged(plan.scheduled, tables, group, PAGE)
+        return pack_ragged(plan.scheduled, tables, group, PAGE, most=chunk)
     return runner.pack(plan.scheduled, LAYERS, KV_HEADS, PAGE, chunk)
 
 

@@ -20,19 +20,25 @@ DURATIONS = (
 )
 CACHE_HIT = "/jax/compilation_cache/cache_hits"
 
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+
 _local = threading.local()
 _install_lock = threading.Lock()
 _installed = False
+_programs = [0]  # programs built in this process (any thread): compiled or read from the cache
 
 
 def _on_duration(event: str, duration: float, **_) -> None:
     if event in DURATIONS:
         _local.seconds = getattr(_local, "seconds", 0.0) + duration
+    if event == BACKEND_COMPILE:
+        _programs[0] += 1
 
 
 def _on_event(event: str, **_) -> None:
     if event == CACHE_HIT:
         _local.hits = getattr(_local, "hits", 0) + 1
+        _programs[0] += 1
 
 
 def _install() -> None:
@@ -48,6 +54,13 @@ def totals() -> tuple[float, int]:
     """(seconds compiling, persistent-cache hits) of this thread so far."""
     _install()
     return getattr(_local, "seconds", 0.0), getattr(_local, "hits", 0)
+
+
+def programs_built() -> int:
+    """Programs this process built so far, in any thread: compiled by XLA or read from the
+    persistent compilation cache (what a test counts to see that nothing compiles)."""
+    _install()
+    return _programs[0]
 
 
 def compile_cache_dir() -> Path | None:

@@ -242,14 +242,22 @@ def _ends(params) -> dict:
 LAYERS = "layers"  # the stacked decoder layers' subtree
 
 
-def run_layers(params, config: ModelConfig, x, positions, cache=None, attention=None, carry=None):
+def run_layers(
+    params, config: ModelConfig, x, positions, cache=None, attention=None, carry=None,
+    remat: bool = False,
+):  # fmt: skip
     """The decoder layers over hidden states x `[B, T, D]`: under `lax.scan` over the stacked
     weights (and `cache`'s stacked entries, if any), or one by one when `cache` is a tuple of
-    per-layer entries. Returns (x, the new cache, the final carry)."""
+    per-layer entries. `remat`: a gradient through them keeps each layer's input only and
+    recomputes the rest (memory of one layer's activations, not all of them). Returns (x, the
+    new cache, the final carry)."""
     layer = DecoderLayer(config)
 
     def one(weights, x, index, entry, carry):
         return layer.apply({"params": weights}, x, positions, index, entry, carry, attention)
+
+    if remat:
+        one = jax.checkpoint(one)
 
     stacked = params[LAYERS]
     if isinstance(cache, tuple | list):  # entries of different shapes: one layer at a time
@@ -359,6 +367,7 @@ def forward(
     *,
     logits_at=None,
     carry=None,
+    remat: bool = False,
 ):
     """Runs the decoder.
 
@@ -375,6 +384,7 @@ def forward(
         or `[B, R]` of R positions per row (a flattened batch of ragged rows).
       carry: what the first layer's `attention` call receives (e.g. the engine's page pool);
         each call's returned carry goes to the next layer's.
+      remat: recompute each layer's activations in a gradient's backward pass (`run_layers`).
 
     Returns:
       (logits float32 `[B, T, V]`, or `[B, V]` (`[B, R, V]`) with `logits_at`; the new cache
@@ -383,7 +393,7 @@ def forward(
     """
     ends = Ends(config)
     x = ends.apply(_ends(params), tokens, method=Ends.embed)
-    x, cache, out_carry = run_layers(params, config, x, positions, cache, attention, carry)
+    x, cache, out_carry = run_layers(params, config, x, positions, cache, attention, carry, remat)
     hidden = ends.apply(_ends(params), x, method=Ends.final_norm)
     if logits_at is not None and logits_at.ndim == 2:
         hidden = jnp.take_along_axis(hidden, logits_at[:, :, None], axis=1)  # [B, R, D]

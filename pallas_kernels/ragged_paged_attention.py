@@ -236,9 +236,13 @@ def ragged_paged_attention_xla(
         pos = pos_pages[pages].reshape(w, kh, bs)
         if rope is not None:  # a ring's keys, stored before RoPE, rotated at their ranks
             raw, sink, shift = (x[rows] for x in rope_p)
-            turned = _rotated(kb.reshape(w, kh, bs, h), pos, sink[:, None, None],
-                              shift[:, None, None], rope[3])  # fmt: skip
-            kb = jnp.where(raw[:, None, None, None], turned, kb.reshape(w, kh, bs, h))
+
+            def turn(kb):
+                turned = _rotated(kb, pos, sink[:, None, None], shift[:, None, None], rope[3])
+                return jnp.where(raw[:, None, None, None], turned, kb)
+
+            # blocks with no ring's row skip the rotation (a step serves every policy)
+            kb = lax.cond(jnp.any(raw), turn, lambda kb: kb, kb.reshape(w, kh, bs, h))
         slots = j * bs + jnp.arange(bs)
         stored = _visible(slots, lens[rows], None if gaps_p is None else gaps_p[rows], 0, 0, None)
         stored &= jnp.repeat(cols < m, page)

@@ -49,7 +49,7 @@ class Running:
         self.thread.join(30)
 
 
-def serve_process(model: str, *args: str):
+def serve_process(model: str, *args: str, timeout: float = 180):
     """`jkv serve MODEL --port P ARGS...` as a user starts it: (the process, its base URL) once
     /health answers (the test run's compiled programs shared through JAX's cache)."""
     import os
@@ -71,7 +71,7 @@ def serve_process(model: str, *args: str):
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
             raise AssertionError(f"jkv serve {model} exited: {proc.stdout.read()}")

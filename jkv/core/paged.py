@@ -214,25 +214,45 @@ def make_paged_attention(
         d = 0 if mesh is None else jax.lax.axis_index("model")  # this device's heads, pages
         heads = layer * config.num_kv_heads + d * k.shape[1] + jnp.arange(k.shape[1])
         first = d * pool["k"].shape[0]
+        # H2O's rows, when the step has any (data: a step without them skips their work)
+        heavy = write and rows.mass is not None
+        any_heavy = jnp.any(rows.mass.on) if heavy else None
         if write:
             at = token_pages(pool, rows, heads, first)
-            if rows.mass is not None:  # full H2O rings: each head's lightest slot; fresh mass
-                at = evicting_pages(pool, rows, heads, first, at, positions[0], evict)
-                on = rows.mass.on[jnp.minimum(rows.tok_row, rows.tables.shape[0] - 1)]
-                drop = pool["mass"].size
-                mass = pool["mass"].reshape(-1).at[jnp.where(on[:, None], at, drop)]
-                pool = {**pool, "mass": mass.set(0.0, mode="drop").reshape(pool["mass"].shape)}
+            if heavy:  # full H2O rings: each head's lightest slot; fresh mass
+
+                def evicting(mass):
+                    at_h = evicting_pages({**pool, "mass": mass}, rows, heads, first, at,
+                                          positions[0], evict)  # fmt: skip
+                    on = rows.mass.on[jnp.minimum(rows.tok_row, rows.tables.shape[0] - 1)]
+                    flat = mass.reshape(-1).at[jnp.where(on[:, None], at_h, mass.size)]
+                    return at_h, flat.set(0.0, mode="drop").reshape(mass.shape)
+
+                at, mass = jax.lax.cond(any_heavy, evicting, lambda m: (at, m), pool["mass"])
+                pool = {**pool, "mass": mass}
             pool = write_tokens(pool, at, k, v[0], positions[0], kv_dtype)
         table, lengths, gaps = head_layout(pool, rows, heads, first)
-        out = kernels.ragged_attention(
-            q, pool["k"], pool["v"], table, lengths, rows.q_start, rows.q_len, positions[0],
-            pool["positions"], rows.num_decode, rows.num_rows, gaps=gaps,
-            k_scale=pool.get("k_scale"), v_scale=pool.get("v_scale"),
-            sliding_window=config.sliding_window, rope=rope_args,
-        )  # fmt: skip
-        if write and rows.mass is not None:
-            pool = accumulate_mass(pool, rows, heads, first, q, positions[0], kernels,
-                                   config.sliding_window)  # fmt: skip
+
+        def attend(rope_args):
+            return kernels.ragged_attention(
+                q, pool["k"], pool["v"], table, lengths, rows.q_start, rows.q_len,
+                positions[0], pool["positions"], rows.num_decode, rows.num_rows, gaps=gaps,
+                k_scale=pool.get("k_scale"), v_scale=pool.get("v_scale"),
+                sliding_window=config.sliding_window, rope=rope_args,
+            )  # fmt: skip
+
+        if rope_args is None or backend == "xla":  # the XLA path skips it block by block
+            out = attend(rope_args)
+        else:  # a kernel with the rotation on read only in steps that hold a ring's row
+            out = jax.lax.cond(jnp.any(rows.raw), lambda: attend(rope_args), lambda: attend(None))
+        if heavy:
+
+            def accumulating(mass):
+                return accumulate_mass({**pool, "mass": mass}, rows, heads, first, q,
+                                       positions[0], kernels, config.sliding_window)["mass"]  # fmt: skip
+
+            pool = {**pool, "mass": jax.lax.cond(any_heavy, accumulating, lambda m: m,
+                                                 pool["mass"])}  # fmt: skip
         return out[None], pool
 
     def attention(layer, q, k, v, positions, entry, pool):

@@ -46,18 +46,22 @@ is larger than them (`jkv.sharding.kv_head_parallel`). `num_pages` must be a mul
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import itertools
 import threading
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jkv.core.sampling import SamplingArrays
+from jkv.engine import programs
 from jkv.engine.ahead import PLACEHOLDER, Ahead, AsyncSteps
 from jkv.engine.page_pool import PagePool
 from jkv.engine.policy_steps import PolicySteps
-from jkv.engine.ragged import order, pack_ragged, ragged_step
+from jkv.engine.pool_size import describe, pages_for_memory
+from jkv.engine.ragged import most_tokens, order, pack_ragged, ragged_step
 from jkv.engine.recovery import Recovery
 from jkv.engine.request_output import RequestOutput, Row
 from jkv.engine.runner import (
@@ -70,7 +74,6 @@ from jkv.engine.scheduler import Scheduler
 from jkv.engine.sequence import Sequence, Status
 from jkv.engine.streams import RequestFailed, Streams
 from jkv.engine.warmup import Warmup
-from jkv.limits import available_bytes
 from jkv.memory import page_bytes
 from jkv.output import RowOutput
 from jkv.params import Params
@@ -88,7 +91,7 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
         self,
         params: Params,
         *,
-        num_pages: int | None = 1024,
+        num_pages: int | None = None,
         page_size: int = 16,
         memory_fraction: float | None = None,
         token_budget: int = 256,
@@ -127,8 +130,13 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
         ):
             raise ValueError(f"max_model_len={max_model_len!r}: expected an int >= 1")
         self.attention_mass = bool(attention_mass)
-        if memory_fraction is not None:
-            num_pages = self._pages_for_memory(memory_fraction, page_size)
+        if num_pages is None:  # a share of the free memory (`jkv.engine.pool_size`)
+            num_pages = pages_for_memory(cfg, page_size, self.kv_dtype, mass=self.attention_mass,
+                                         shards=self.tp, max_model_len=self.max_model_len,
+                                         max_running=max_running,
+                                         fraction=memory_fraction)  # fmt: skip
+        elif memory_fraction is not None:
+            raise ValueError(f"{num_pages=} and {memory_fraction=}: give one or the other")
         self.page_bytes = page_bytes(cfg, page_size, self.kv_dtype, mass=self.attention_mass)
         self._pool_settings = dict(
             num_pages=num_pages,
@@ -157,7 +165,11 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
             admission=admission,
         )
         self.rows = RowTables(max_running, -(-self.max_model_len // page_size) + 2)
-        self.device = self._empty_device()
+        # The pool's zeros are written (a first touch of every page: seconds for GiBs) while
+        # warmup traces its programs against the pool's shapes; the first use waits for it.
+        self._making, self._spec = concurrent.futures.Future(), None
+        # not a daemon: a process that ends at once waits for it (rather than abort in XLA)
+        threading.Thread(target=self._make_device, name="jkv-pool").start()
         # Async scheduling: the flattened step dispatched, its tokens not read yet (`Ahead`),
         # and the last one's sampled tokens on the device (the next step's decode inputs).
         self.async_scheduling = bool(async_scheduling)
@@ -178,6 +190,31 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
         self.lockstep = None
         Streams.__init__(self)
 
+    @property
+    def device(self):
+        """The pool's arrays (`jkv.engine.runner.PagedKV`)."""
+        if self._making is not None:
+            self._device, self._making = self._making.result(), None
+        return self._device
+
+    @device.setter
+    def device(self, value) -> None:
+        self._device, self._making = value, None
+
+    def _make_device(self) -> None:
+        try:
+            self._making.set_result(self._empty_device())
+        except BaseException as err:  # noqa: BLE001 - raised where the pool is first used
+            self._making.set_exception(err)
+
+    def pool_spec(self):
+        """The pool's shapes and dtypes (what compiling needs), without waiting for it."""
+        if self._making is not None and self.mesh is None:
+            if self._spec is None:
+                self._spec = jax.eval_shape(self._empty_device)
+            return self._spec
+        return self.device
+
     def _empty_device(self):
         cfg, s = self.params.config, self._pool_settings
         rows = np.frombuffer(self.pool.rows, np.int32).reshape(-1, self.scheduler.group)
@@ -188,26 +225,15 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
     def has_work(self) -> bool:
         return bool(self._inbox) or self.scheduler.has_work or self._awaited()
 
-    def _pages_for_memory(self, fraction, page_size: int) -> int:
-        """Pages that fit in `fraction` of the device's free memory (instead of `num_pages`)."""
-        if (
-            isinstance(fraction, bool)
-            or not isinstance(fraction, int | float)
-            or not (0 < fraction < 1)
-        ):
-            raise ValueError(f"memory_fraction={fraction!r}: expected a number in (0, 1)")
-        free = available_bytes()
-        if free is None:
-            raise ValueError("memory_fraction: this device reports no free memory; pass num_pages")
-        per_page = page_bytes(self.params.config, page_size, self.kv_dtype,
-                              mass=self.attention_mass)  # fmt: skip
-        pages = int(free * fraction) // per_page * self.tp  # each device holds 1 / tp
-        if pages < 2:
-            raise ValueError(
-                f"memory_fraction={fraction}: {free * fraction / 2**20:.1f} MiB holds {pages} "
-                f"pages of {per_page} bytes; at least 2 are needed"
-            )
-        return pages
+    def served_policies(self) -> list[str]:
+        """The KV policies (by name) this engine serves: H2O only with the attention mass."""
+        return [n for n in SERVED.split(", ") if n != "h2o" or self.attention_mass]
+
+    def describe_pool(self) -> str:
+        """What the pool holds, in tokens and in full-context requests (the server's startup
+        line)."""
+        return describe(self.pool.num_pages, self.pool.page_size, self.scheduler.group,
+                        self.page_bytes, self.max_model_len)  # fmt: skip
 
     # ------------------------------------------------------------------ messages
 
@@ -497,7 +523,7 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
             pad_ids[: len(ids)] = ids
             pad_rows = np.zeros((n, self.scheduler.group), np.int32)
             pad_rows[: len(ids)] = rows
-            self.device = set_rows(self.device, pad_ids, pad_rows)
+            self.device = programs.call(set_rows, self.device, pad_ids, pad_rows)
 
     def _sampling(self, scheduled, b: int):
         reqs = [self._rows[r.seq.request_id].req for r in scheduled]
@@ -514,8 +540,10 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
     def _dispatch_flat(self, scheduled):
         """Dispatches the flattened step over `scheduled` (in `order`); its `[P]` sampled
         tokens on the device. A placeholder among the inputs is the dispatched step's token."""
+        sched = self.scheduler
+        most = most_tokens(bucket(len(scheduled)), sched.token_budget, sched.chunk)
         rows, tokens, positions = pack_ragged(
-            scheduled, self.rows, self.scheduler.group, self.pool.page_size
+            scheduled, self.rows, sched.group, self.pool.page_size, most, self.attention_mass
         )
         from_last = np.full(len(tokens), -1, np.int32)
         for t in np.flatnonzero(tokens == PLACEHOLDER):

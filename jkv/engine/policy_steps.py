@@ -5,16 +5,33 @@ in the fewest pages, a ring (StreamingLLM, H2O) in its budget's slots."""
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 
 from jkv import kv as kvlib
+from jkv.engine import programs
 from jkv.engine.runner import compact
-from jkv.engine.select import pack_select, paged_select
+from jkv.engine.select import (
+    SELECT_ROWS,
+    pack_select,
+    paged_select,
+    vote_window,
+    window_queries,
+)
 from jkv.policies.efficache import head_sensitivity
 from jkv.sharding import to_host
 
-sensitivity_pass = jax.jit(head_sensitivity, static_argnames=("config",))
+sensitivity_pass = programs.jit(head_sensitivity, static_argnames=("config",))
+
+
+def sensitivity_buckets(max_len: int) -> list[int]:
+    """The prompt lengths EffiCache's gradient pass compiles for: powers of 4 from 16, up to
+    the bucket of `max_len` (a prompt padded by less than 4x; few programs)."""
+    top = kvlib.bucket(max_len)
+    return sorted({min(16 * 4**i, top) for i in range(top.bit_length())})
+
+
+def sensitivity_bucket(n: int, max_len: int) -> int:
+    return next(s for s in sensitivity_buckets(max(max_len, n)) if s >= n)
 
 
 class PolicySteps:
@@ -26,9 +43,13 @@ class PolicySteps:
 
     def _select(self, ending, policy, kept) -> None:
         """The selection of `policy` (a jit key) over the pool for rows whose prompt ended in
-        the step just run (`jkv.engine.select`); what each keeps goes to `kept` for
-        `_compress`."""
-        window = getattr(policy, "window", 0) if policy.observes else 0
+        the step just run (`jkv.engine.select`), `SELECT_ROWS` at a time (few programs: 1, 2
+        or 4 rows); what each keeps goes to `kept` for `_compress`."""
+        for i in range(0, len(ending), SELECT_ROWS):
+            self._select_rows(ending[i : i + SELECT_ROWS], policy, kept)
+
+    def _select_rows(self, ending, policy, kept) -> None:
+        window = vote_window(policy)
         rows, tokens, positions = pack_select(
             ending, self.rows, self.scheduler.group, self.pool.page_size, window
         )
@@ -40,9 +61,14 @@ class PolicySteps:
         sensitivity = None
         if policy.needs_sensitivity:
             sensitivity = self._sensitivity(ending, range(len(ending)), b)
-        src, counts, first = paged_select(
-            self.params.weights, self.params.config, self.device, rows, tokens, positions,
-            budgets, sensitivity, backend=self.backend, dtype=self.kv_dtype, policy=policy,
+        queries = None
+        if window:
+            queries = programs.call(window_queries, self.params.weights, self.params.config,
+                                    self.device, rows, tokens, positions, backend=self.backend,
+                                    dtype=self.kv_dtype)  # fmt: skip
+        src, counts, first = programs.call(
+            paged_select, self.params.config, self.device, rows, queries, positions, budgets,
+            sensitivity, backend=self.backend, policy=policy,
         )  # fmt: skip
         counts = to_host(counts)
         first = to_host(first) if policy.raw_keys else None  # StreamingLLM's ring positions
@@ -59,10 +85,12 @@ class PolicySteps:
         out = np.zeros((b, cfg.num_layers, cfg.num_kv_heads), np.float32)
         for i in ending:
             prompt = rows[i].seq.prompt
-            tokens = np.zeros((1, kvlib.bucket(len(prompt))), np.int32)
+            tokens = np.zeros((1, sensitivity_bucket(len(prompt), self.max_model_len)), np.int32)
             tokens[0, : len(prompt)] = prompt
             n = np.array([len(prompt)], np.int32)
-            out[i] = to_host(sensitivity_pass(self.params.weights, cfg, tokens, n))[0]
+            out[i] = to_host(programs.call(sensitivity_pass, self.params.weights, cfg, tokens, n))[
+                0
+            ]
         return out
 
     def _compress(self, seq, src, row, counts, ring=None) -> None:
@@ -76,6 +104,5 @@ class PolicySteps:
         self._sync_rows()
         table = np.zeros(self.rows.width, np.int32)
         table[: len(seq.blocks)] = seq.blocks
-        g = self.scheduler.group
-        self.device = compact(self.device, src[row].reshape(g, -1), table,
-                              np.asarray(counts, np.int32))  # fmt: skip
+        self.device = programs.call(compact, self.device, src, table, np.asarray(counts, np.int32),
+                              np.int32(row))  # fmt: skip

@@ -11,31 +11,57 @@ attention their queries pay to each slot's mass in the pool, and a full H2O ring
 per head, to the slot H2O's rule picks on the device (`PagedRows.mass`). No row's context is
 copied into a dense array.
 
-Compiled shapes: rows and tokens padded to powers of two (`bucket`); the row tables have their
-fixed width, so a step's shape never depends on how long its rows are; a step with StreamingLLM's
-or H2O's rows is a variant of its own (their fields are None otherwise).
+Compiled shapes: rows padded to powers of two (`bucket`), tokens to `token_bucket` (the rows
+themselves, or a power of 4); the row tables have their fixed width, so a step's shape never
+depends on how long its rows are. Which rows are StreamingLLM's or H2O's is data: one program
+serves every policy (H2O's mass arrays are there when the engine keeps the mass).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jkv.core.paged import MassRows, PagedRows, make_paged_attention
 from jkv.core.sampling import SamplingArrays, sample
 from jkv.core.step import flat_step
+from jkv.engine import programs
 from jkv.engine.runner import PagedKV, RowTables, bucket
 from jkv.policies.h2o import lightest_slots
 from jkv_models.config import ModelConfig
 
 
-@functools.partial(
-    jax.jit, static_argnames=("config", "backend", "dtype", "mesh"), donate_argnames=("pool",)
-)
+@programs.jit(static_argnames=("config", "backend", "dtype", "mesh"), donate_argnames=("pool",))
+def flat_logits(
+    weights, config: ModelConfig, pool: PagedKV, rows: PagedRows, tokens, positions, last_tok,
+    from_last, *, backend: str, dtype: str, mesh=None,
+):  # fmt: skip
+    """THE model over the flattened tokens `[T]` of `rows`, the pool updated in place. Returns
+    (float32 logits `[R, V]` at each row's last token, the pool)."""
+    tokens = jnp.where(from_last >= 0, last_tok[jnp.maximum(from_last, 0)], tokens)
+    scales = ("k_scale", "v_scale") if pool.k_scale is not None else ()
+    mass = ("mass",) if rows.mass is not None else ()  # H2O's rows read and add to it
+    names = ("k", "v", "positions", "block_pages", *scales, *mass)
+    attend = make_paged_attention(
+        rows, config=config, backend=backend, kv_dtype=dtype, mesh=mesh, evict=lightest_slots
+    )
+    last = rows.q_start + jnp.maximum(rows.q_len - 1, 0)  # [R]
+    logits, _, new = flat_step(weights, config, tokens, positions, attend, last,
+                               {n: getattr(pool, n) for n in names})  # fmt: skip
+    return logits, dataclasses.replace(pool, **{n: new[n] for n in names if n != "block_pages"})
+
+
+@programs.jit
+def sample_rows(logits, sampling: SamplingArrays, sample_index, last_tok):
+    """`[P]` int32: row r's token sampled from its logits `[R, V]` at r < R (the next step's
+    input, one shape whatever R). A program of its own: one per row bucket, not per step
+    shape."""
+    tok = sample(logits, sampling, sample_index)
+    return jnp.zeros_like(last_tok).at[: tok.shape[0]].set(tok)
+
+
 def ragged_step(
     weights,
     config: ModelConfig,
@@ -55,21 +81,14 @@ def ragged_step(
     """One step over the flattened tokens `[T]` (text positions `[T]`) of `rows`; `mesh`: the
     pool is sharded over kv heads on its "model" axis (`jkv.core.paged`). `last_tok` `[P]`: the
     step before's output, `from_last` `[T]`: where a token is its row `from_last[t]` of it (a
-    token the host has not read yet: async scheduling), -1 where `tokens` has it. Returns
-    (`[P]` int32: row r's token sampled at its last one at r < R, the updated pool)."""
-    tokens = jnp.where(from_last >= 0, last_tok[jnp.maximum(from_last, 0)], tokens)
-    scales = ("k_scale", "v_scale") if pool.k_scale is not None else ()
-    mass = ("mass",) if rows.mass is not None else ()  # H2O's rows read and add to it
-    names = ("k", "v", "positions", "block_pages", *scales, *mass)
-    attend = make_paged_attention(
-        rows, config=config, backend=backend, kv_dtype=dtype, mesh=mesh, evict=lightest_slots
-    )
-    last = rows.q_start + jnp.maximum(rows.q_len - 1, 0)  # [R]
-    logits, _, new = flat_step(weights, config, tokens, positions, attend, last,
-                               {n: getattr(pool, n) for n in names})  # fmt: skip
-    tok = sample(logits, sampling, sample_index)
-    tok = jnp.zeros_like(last_tok).at[: tok.shape[0]].set(tok)  # one shape: the next step's input
-    return tok, dataclasses.replace(pool, **{n: new[n] for n in names if n != "block_pages"})
+    token the host has not read yet: async scheduling), -1 where `tokens` has it. Two
+    dispatches (`flat_logits`, `sample_rows`), nothing waited for. Returns (`[P]` int32: row
+    r's token sampled at its last one at r < R, the updated pool; `pool` is donated)."""
+    logits, pool = programs.call(
+        flat_logits, weights, config, pool, rows, tokens, positions, last_tok, from_last,
+        backend=backend, dtype=dtype, mesh=mesh,
+    )  # fmt: skip
+    return programs.call(sample_rows, logits, sampling, sample_index, last_tok), pool
 
 
 def order(scheduled):
@@ -78,11 +97,33 @@ def order(scheduled):
     return sorted(scheduled, key=lambda r: (r.n != 1, -r.seq.num_computed if r.n == 1 else 0))
 
 
-def pack_ragged(scheduled, row_tables: RowTables, group: int, page: int):
+def token_buckets(rows: int, most: int) -> list[int]:
+    """The token counts a step of `rows` rows (a power of two) compiles for, up to `most`:
+    `rows` itself (every row decoding one token), then powers of 4 above it and `most` (a step
+    with prefill chunks pads its tokens by less than 4x; few programs to compile)."""
+    sizes = {rows, most} | {4**i for i in range(1, most.bit_length()) if rows < 4**i < most}
+    return sorted(s for s in sizes if s <= max(rows, most))
+
+
+def most_tokens(rows: int, token_budget: int, chunk: int) -> int:
+    """The most tokens a step of `rows` rows (a bucket) can hold, as a power of two: the
+    budget's, or one chunk per row when that is less."""
+    return bucket(min(token_budget, rows * chunk))
+
+
+def token_bucket(t: int, rows: int, most: int) -> int:
+    """The smallest of `token_buckets(rows, most)` that holds `t` tokens."""
+    return next(s for s in token_buckets(rows, max(most, bucket(t))) if s >= t)
+
+
+def pack_ragged(scheduled, row_tables: RowTables, group: int, page: int, most: int,
+                mass: bool = False):  # fmt: skip
     """Host arrays for `ragged_step` from rows in `order`: (`PagedRows`, tokens `[T]`,
-    positions `[T]`), rows and tokens padded to powers of two."""
+    positions `[T]`), rows padded to a power of two, tokens to `token_bucket` (`most`: the
+    largest step's tokens). `mass`: the pool keeps H2O's attention mass (the step's `MassRows`
+    are there whether or not it holds H2O's rows)."""
     b = bucket(len(scheduled))
-    t = bucket(sum(r.n for r in scheduled))
+    t = token_bucket(sum(r.n for r in scheduled), b, most)
     slots = [row_tables.sync(r.seq) for r in scheduled]
     tables = np.zeros((b, row_tables.width), np.int32)
     tables[: len(slots)] = row_tables.table[slots]
@@ -91,9 +132,7 @@ def pack_ragged(scheduled, row_tables: RowTables, group: int, page: int):
     q_start, q_len = np.zeros(b, np.int32), np.zeros(b, np.int32)
     tok_row, tok_slot = np.full(t, b, np.int32), np.zeros(t, np.int32)
     tokens, positions = np.zeros(t, np.int32), np.zeros(t, np.int32)
-    rings = any(r.seq.raw_sink is not None for r in scheduled)
     raw, sink, shift = np.zeros(b, bool), np.zeros(b, np.int32), np.zeros(b, np.int32)
-    heavy = any(r.seq.mass_rule is not None for r in scheduled)
     on, evict, importance = np.zeros(b, bool), np.zeros(b, bool), np.zeros(b, bool)
     limit, recent, protect = np.ones(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
     at = 0
@@ -122,8 +161,8 @@ def pack_ragged(scheduled, row_tables: RowTables, group: int, page: int):
         tok_slot[at : at + n] = np.arange(first, first + n)
         at += n
     num_decode = sum(1 for r in scheduled if r.n == 1)
-    ring = (raw, sink, shift) if rings else (None, None, None)
-    mass = MassRows(on, evict, limit, recent, protect, importance) if heavy else None
+    heavy = MassRows(on, evict, limit, recent, protect, importance) if mass else None
     rows = PagedRows(tables, base, n_prefix, held, q_start, q_len, tok_row, tok_slot,
-                     np.int32(num_decode), np.int32(len(scheduled)), *ring, mass)  # fmt: skip
+                     np.int32(num_decode), np.int32(len(scheduled)), raw, sink, shift,
+                     heavy)  # fmt: skip
     return rows, tokens, positions

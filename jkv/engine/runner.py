@@ -10,9 +10,8 @@ page table is one list of block ids for all its heads, and head h of block b is 
 The step itself is `jkv.engine.ragged.ragged_step` (every row's tokens as one flattened batch,
 attention through the page tables in place); here: the pool, the mapping of a row's slots to
 pool tokens (`token_index`, the layout of `jkv.engine.sequence`: a compressed prefix with
-per-head counts, then the tail; a ring's slots all in its prefix), what a policy keeps
-(`kept_slots`, for `jkv.engine.select`), the compaction and the block-row updates, each donating
-the pool so it is updated in place.
+per-head counts, then the tail; a ring's slots all in its prefix), the compaction and the
+block-row updates, each donating the pool so it is updated in place.
 
 The host keeps every running row's table in `RowTables` (vLLM's persistent block table): a
 step copies only the blocks added since the last one, so the host's work per step does not
@@ -22,7 +21,6 @@ grow with layers x kv heads.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -30,8 +28,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jkv import kv as kvlib
+from jkv.engine import programs
 from jkv.memory import page_bytes
-from jkv.policies.base import Context
 from jkv_kernels import scatter_set
 from jkv_models.config import ModelConfig
 
@@ -141,39 +139,24 @@ def token_index(pool: PagedKV, rows: Rows, layer: int, num_kv_heads: int, slots)
     return pool.block_pages[block, heads[None, :, None]] * page + logical % page
 
 
-def kept_slots(policy, kv: kvlib.KVState, num_layers: int, n_new, budgets, start, sensitivity):
-    """What `policy` keeps of each row whose whole prompt is in `kv` (a view of its slots):
-    per head, its slots with the kept ones first, in slot order `[B, L, K, S]`, and how many
-    are kept `[B, L, K]`."""
-    ctx = Context(
-        prompt_lengths=start + n_new,
-        budgets=budgets,
-        now=start + n_new - 1,
-        num_layers=num_layers,
-        sensitivity=sensitivity,
-    )
-    order, counts = [], []
-    for i, layer in enumerate(kv.layers):
-        keep = policy.keep(i, layer, ctx)  # [B, K, S]
-        order.append(jnp.argsort(~keep, axis=-1, stable=True).astype(jnp.int32))
-        counts.append(jnp.sum(keep, axis=-1, dtype=jnp.int32))
-    return jnp.stack(order, axis=1), jnp.stack(counts, axis=1)
-
-
-@functools.partial(jax.jit, donate_argnames=("pool",))
+@programs.jit(donate_argnames=("pool",))
 def set_rows(pool: PagedKV, ids, rows) -> PagedKV:
     """Writes the host's changed block rows (`ids` `[n]`, `rows` `[n, L * K]`; ids out of
     range: padding) into the device's copy, in place."""
     return dataclasses.replace(pool, block_pages=pool.block_pages.at[ids].set(rows, mode="drop"))
 
 
-@functools.partial(jax.jit, donate_argnames=("pool",))
-def compact(pool: PagedKV, src, table, counts) -> PagedKV:
+@programs.jit(donate_argnames=("pool",))
+def compact(pool: PagedKV, src, table, counts, row=0) -> PagedKV:
     """Moves one row's kept tokens into its new prefix, in place: `src` `[G, S]` the pool
-    tokens each head keeps, in order; `table` `[W]` the row's new blocks; `counts` `[G]` kept
-    per head (G = L * K). Kept token i of head h goes to slot i of its column. Every source is
-    read before any destination is written, so a head may compact into its own pages."""
-    g, s = src.shape
+    tokens each head keeps, in order (or `[E, ...]` of E rows' with G * S elements each, of
+    which row `row` (traced)); `table` `[W]` the row's new blocks; `counts` `[G]` kept per head
+    (G = L * K). Kept token i of head h goes to slot i of its column. Every source is read
+    before any destination is written, so a head may compact into its own pages."""
+    g = counts.shape[0]
+    if src.ndim > 2:  # a selection's output for several rows, as it came
+        src = src[row].reshape(g, -1)
+    s = src.shape[1]
     page = pool.page_size
     i = jnp.arange(s, dtype=jnp.int32)
     block = table[jnp.minimum(i // page, table.shape[0] - 1)]  # [S]

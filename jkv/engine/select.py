@@ -18,8 +18,6 @@ Returns what each head keeps as pool tokens in slot order, for the compaction
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,9 +26,18 @@ from jkv import kv as kvlib
 from jkv.core.backends import ops
 from jkv.core.paged import PagedRows, make_paged_attention
 from jkv.core.step import flat_step
-from jkv.engine.runner import PagedKV, Rows, bucket, kept_slots, token_index
+from jkv.engine import programs
+from jkv.engine.runner import PagedKV, Rows, bucket, token_index
+from jkv.policies.base import Context
 
 KEY_BLOCK = 256  # slots whose keys a Quantile policy's norms read at a time
+SELECT_ROWS = 4  # rows a selection takes at most (more ending in one step: several calls)
+
+
+def vote_window(policy) -> int:
+    """The observation window a select-once policy's votes need (`window_queries`), 0 when it
+    keeps by something else (positions, key norms, H2O's mass)."""
+    return policy.window if policy.observes and not policy.wants_mass else 0
 
 
 def key_norms(pool: PagedKV, at, lengths) -> jax.Array:
@@ -52,18 +59,36 @@ def key_norms(pool: PagedKV, at, lengths) -> jax.Array:
     return jnp.where(jnp.arange(s) < lengths[..., None], out[..., :s], 0.0)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backend", "dtype", "policy"))
+@programs.jit(static_argnames=("config", "backend", "dtype"))
+def window_queries(weights, config, pool: PagedKV, rows: PagedRows, tokens, positions, *,
+                   backend: str, dtype: str):  # fmt: skip
+    """`[L, T, N, H]` every layer's rotated queries of the window tokens `[T]` (at text
+    `positions` `[T]`) of E rows whose prompts are in the pool: the model over the windows,
+    attention reading the rows' pages, nothing written. One program for every policy that
+    votes with a window (SnapKV, PyramidKV, Ada-KV, EffiCache)."""
+    scales = ("k_scale", "v_scale") if pool.k_scale is not None else ()
+    names = ("k", "v", "positions", "block_pages", *scales)
+    attend = make_paged_attention(rows, config=config, backend=backend, kv_dtype=dtype,
+                                  write=False)  # fmt: skip
+    last = rows.q_start + jnp.maximum(rows.q_len - 1, 0)
+    _, queries, _ = flat_step(weights, config, tokens, positions, attend, last,
+                              {n: getattr(pool, n) for n in names})  # fmt: skip
+    return queries
+
+
+@programs.jit(static_argnames=("config", "backend", "policy"))
 def paged_select(
-    weights, config, pool: PagedKV, rows: PagedRows, tokens, positions, budgets, sensitivity=None,
-    *, backend: str, dtype: str, policy,
+    config, pool: PagedKV, rows: PagedRows, queries, positions, budgets, sensitivity=None, *,
+    backend: str, policy,
 ):  # fmt: skip
     """What `policy` (a select-once policy's `jit_key()`) keeps of E rows whose prompts are in
-    the pool, uncompressed.
+    the pool, uncompressed. No model runs here: a policy's own program is small.
 
     Args:
       rows: the E rows (`pack_select`): their tables, `held` their prompt's length, their
         window tokens at `q_start`, `q_len` (none for a policy that needs no window).
-      tokens, positions: `[T]` the window tokens and their text positions.
+      queries: `[L, T, N, H]` their window queries (`window_queries`; None for a policy that
+        does not vote with a window); positions: `[T]` the window tokens' text positions.
       budgets: `[E]` int32 prompt tokens each row keeps; `sensitivity`: `[E, L, K]` EffiCache's.
 
     Returns:
@@ -74,51 +99,45 @@ def paged_select(
     nl, kh = config.num_layers, config.num_kv_heads
     e = rows.tables.shape[0]
     s = rows.tables.shape[1] * pool.page_size
-    queries = None
-    if policy.observes and not policy.wants_mass:
-        scales = ("k_scale", "v_scale") if pool.k_scale is not None else ()
-        names = ("k", "v", "positions", "block_pages", *scales)
-        attend = make_paged_attention(rows, config=config, backend=backend, kv_dtype=dtype,
-                                      write=False)  # fmt: skip
-        last = rows.q_start + jnp.maximum(rows.q_len - 1, 0)
-        _, queries, _ = flat_step(
-            weights, config, tokens, positions, attend, last, {n: getattr(pool, n) for n in names}
-        )  # [L, T, N, H] rotated
     kernels = ops(backend)
     index_rows = Rows(rows.tables, rows.base, rows.n_prefix, rows.held, jnp.zeros(e, bool))
     dense = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (e, kh, s))
     lengths = jnp.broadcast_to(rows.held[:, None], (e, kh))
+    live = dense < lengths[..., None]
     flat = lambda x: x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])  # noqa: E731
-    layers, index = [], []
-    for layer in range(nl):
+    ctx = Context(prompt_lengths=rows.held, budgets=budgets, now=rows.held - 1, num_layers=nl,
+                  sensitivity=sensitivity)  # fmt: skip
+
+    def one_layer(layer, q):
+        """Layer `layer`'s (traced) kept pool tokens `[E, K, S]` first in slot order, their
+        count `[E, K]` and kv head 0's text positions in that order `[E, S]`."""
         at = token_index(pool, index_rows, layer, kh, dense)  # [E, K, S] pool tokens
         heads = layer * kh + jnp.arange(kh)
         if policy.wants_mass:  # H2O: the attention its prompt's queries paid, from the pool
-            scores = jnp.where(dense < lengths[..., None], flat(pool.mass)[at], 0.0)
+            scores = jnp.where(live, flat(pool.mass)[at], 0.0)
         elif policy.observes:
             table = jnp.transpose(pool.block_pages[rows.tables][:, :, heads], (0, 2, 1))
             scores = kernels.paged_window_scores(
-                queries[layer], pool.k, table, lengths, rows.q_start, rows.q_len, positions,
-                pool.positions, k_scale=pool.k_scale, pool=policy.pool, kernel_size=policy.kernel,
+                q, pool.k, table, lengths, rows.q_start, rows.q_len, positions, pool.positions,
+                k_scale=pool.k_scale, pool=policy.pool, kernel_size=policy.kernel,
             )  # fmt: skip
         elif policy.keeps_by_key_norms:
             scores = key_norms(pool, at, lengths)
         else:  # StreamingLLM: positions alone
             scores = jnp.zeros(at.shape, jnp.float32)
-        live = dense < lengths[..., None]
-        layers.append(kvlib.LayerKV(k=None, v=None, lengths=lengths,
-                                    positions=jnp.where(live, flat(pool.positions)[at], -1),
-                                    scores=scores))  # fmt: skip
-        index.append(at)
-    kv = kvlib.KVState(layers=tuple(layers), next_position=rows.held,
-                       limit=jnp.full((e,), kvlib.NO_LIMIT, jnp.int32), dtype=dtype)  # fmt: skip
-    order, counts = kept_slots(policy, kv, nl, jnp.ones_like(rows.held), budgets,
-                               rows.held - 1, sensitivity)  # fmt: skip
-    src = jnp.stack(
-        [jnp.take_along_axis(index[i], order[:, i], axis=-1) for i in range(nl)], axis=1
-    )
-    first = jnp.take_along_axis(kv.layers[0].positions[:, 0], order[:, 0, 0], axis=-1)
-    return src, counts, first
+        view = kvlib.LayerKV(k=None, v=None, lengths=lengths,
+                             positions=jnp.where(live, flat(pool.positions)[at], -1),
+                             scores=scores)  # fmt: skip
+        keep = policy.keep(layer, view, ctx)  # [E, K, S]
+        order = jnp.argsort(~keep, axis=-1, stable=True).astype(jnp.int32)
+        first = jnp.take_along_axis(view.positions[:, 0], order[:, 0], axis=-1)
+        counts = jnp.sum(keep, axis=-1, dtype=jnp.int32)
+        return jnp.take_along_axis(at, order, axis=-1), counts, first
+
+    # one layer's program, scanned (as the model's layers are): [L, E, ...]
+    src, counts, first = jax.lax.map(lambda xs: one_layer(*xs),
+                                     (jnp.arange(nl, dtype=jnp.int32), queries))  # fmt: skip
+    return jnp.swapaxes(src, 0, 1), jnp.swapaxes(counts, 0, 1), first[0]
 
 
 def pack_select(ending, row_tables, group: int, page: int, window: int):

@@ -1,107 +1,156 @@
-"""Compiling every step shape before the first request (mixed into `Engine`), so that no
-request waits for a compile: the flattened step at every (rows, tokens) bucket, and for each KV
-policy asked its selection, the compaction and EffiCache's gradient pass."""
+"""Compiling every program a request can need before the first one (mixed into `Engine`), so
+that no request waits for a compile: the flattened step at every (rows, tokens) bucket (one
+program per shape serves every policy: which rows are StreamingLLM's or H2O's is data), and for
+each KV policy asked its selection (the window queries shared by the policies that vote, then
+the policy's own small program), the compaction, the block-row updates and EffiCache's
+gradient pass. Each is compiled ahead of time (`jit(f).lower(...).compile()`, which the later
+calls with the same shapes find): nothing runs, nothing is written."""
 
 from __future__ import annotations
 
-import itertools
 import time
 
 import jax
 import numpy as np
 
-from jkv import kv as kvlib
 from jkv.core.paged import MassRows, PagedRows
 from jkv.core.sampling import SamplingArrays
-from jkv.engine.policy_steps import sensitivity_pass
-from jkv.engine.ragged import ragged_step
+from jkv.engine import programs
+from jkv.engine.policy_steps import sensitivity_buckets, sensitivity_pass
+from jkv.engine.ragged import flat_logits, most_tokens, sample_rows, token_buckets
 from jkv.engine.runner import bucket, compact, set_rows
-from jkv.engine.select import paged_select
+from jkv.engine.select import SELECT_ROWS, paged_select, vote_window, window_queries
 from jkv.policies import resolve
 from jkv.request import Request
 
 
 class Warmup:
-    def warmup(self, kv_policies=()) -> float:
-        """Compiles every step shape a request can need, so that no request compiles later:
-        the flattened step at every (rows, tokens) bucket (rows: powers of two up to
-        max_running; tokens: up to the token budget's or, when fewer, the rows' chunks'); for
-        each of `kv_policies` (names or `jkv.policies.KVPolicy` objects; budgets do not matter,
-        they are data) its selection over the pool (rows) and its compaction, and the
-        flattened step with StreamingLLM's or H2O's rows in it; every block-row update size.
-        Returns the seconds it took."""
+    def warmup(self, kv_policies=(), progress=None) -> float:
+        """Compiles every program a request can need, so that no request compiles later: the
+        flattened step at every (rows, tokens) bucket (rows: powers of two up to max_running;
+        tokens: `jkv.engine.ragged.token_buckets`); for each of `kv_policies` (names or
+        `jkv.policies.KVPolicy` objects; budgets do not matter, they are data) its selection
+        over the pool (1, 2 or 4 rows), its compaction, EffiCache's gradient pass per prompt
+        bucket; every block-row update size.
+
+        Args:
+          kv_policies: the policies requests may name (the full cache needs none).
+          progress: called after each program as `progress(done, total, label, seconds)`.
+
+        Returns the seconds it took.
+        """
         t0 = time.perf_counter()
-        cfg = self.params.config
-        g = self.scheduler.group
-        rows = [1 << i for i in range(bucket(self.scheduler.max_running).bit_length())]
-        keys = []  # the full cache runs the flattened step only
-        for p in kv_policies:
-            policy = resolve(p, None) if isinstance(p, str) else p
-            self._check_policy(policy)
-            keys.append(policy.jit_key())
-        z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
-        for key, b in itertools.product(keys, rows):
-            self._warm_select(key, b)
-        # the flattened step with StreamingLLM's rows in it, H2O's, both
-        rings = [False, True] if any(k.raw_keys for k in keys) else [False]
-        heavy = [False, True] if any(k.wants_mass for k in keys) else [False]
-        for ring, mass in itertools.product(rings, heavy):
-            self._warm_flat(rows, rings=ring, mass=mass)
-        for n in (1 << i for i in range(bucket(self.pool.num_blocks).bit_length())):
-            ids = np.full(n, self.pool.num_blocks, np.int32)  # every row dropped
-            self.device = set_rows(self.device, ids, z(n, g))
-        if any(k.needs_sensitivity for k in keys):  # every prompt bucket
-            top = kvlib.bucket(self.max_model_len)
-            for n in sorted({kvlib.bucket(1 << i) for i in range(top.bit_length())}):
-                x = np.zeros((1, n), np.int32)
-                sensitivity_pass(
-                    self.params.weights, cfg, x, np.ones(1, np.int32)
-                ).block_until_ready()
+        jobs = self.warmup_jobs(kv_policies)
+        for i, (label, run) in enumerate(jobs):
+            run()
+            if progress is not None:
+                progress(i + 1, len(jobs), label, time.perf_counter() - t0)
         jax.block_until_ready(self.device)
         return time.perf_counter() - t0
 
-    def _warm_select(self, key, b: int) -> None:
-        """The selection of `key` (a select-once policy) over `b` rows, and (for one row) the
-        compaction of what it keeps."""
-        cfg, g = self.params.config, self.scheduler.group
-        window = getattr(key, "window", 0) if key.observes else 0
-        t = max(b * (bucket(window) if window else 0), 1)
+    def warmup_jobs(self, kv_policies=()) -> list[tuple[str, object]]:
+        """(label, callable) of every program `warmup` compiles, in order."""
+        keys = []
+        for p in kv_policies:
+            policy = resolve(p, None) if isinstance(p, str) else p
+            self._check_policy(policy)
+            if policy.jit_key() not in keys:
+                keys.append(policy.jit_key())
+        rows = [1 << i for i in range(bucket(self.scheduler.max_running).bit_length())]
+        sched = self.scheduler
+        jobs = [
+            (f"step {b} rows x {t} tokens", lambda b=b, t=t: self._warm_flat(b, t))
+            for b in rows
+            for t in token_buckets(b, most_tokens(b, sched.token_budget, sched.chunk))
+        ]
+        select_rows = [b for b in rows if b <= SELECT_ROWS]
+        windows = sorted({bucket(vote_window(k)) for k in keys if vote_window(k)})
+        jobs += [
+            (f"window queries {b} rows x {w}", lambda b=b, w=w: self._warm_queries(b, w))
+            for w in windows
+            for b in select_rows
+        ]
+        jobs += [  # the first policy's compacts what it kept, too (every policy's the same)
+            (f"{k.name} selection {b} rows", lambda k=k, b=b, i=i: self._warm_select(k, b, i == 0))
+            for i, k in enumerate(keys)
+            for b in select_rows
+        ]
+        jobs += [
+            (f"block rows x {n}", lambda n=n: self._warm_rows(n))
+            for n in (1 << i for i in range(bucket(self.pool.num_blocks).bit_length()))
+        ]
+        if any(k.needs_sensitivity for k in keys):  # every prompt bucket
+            jobs += [
+                (f"head sensitivity {n} tokens", lambda n=n: self._warm_sensitivity(n))
+                for n in sensitivity_buckets(self.max_model_len)
+            ]
+        return jobs
+
+    def _idle(self, b: int, t: int, **ring) -> PagedRows:
+        """`b` rows and `t` tokens that hold and write nothing."""
         z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
-        idle = PagedRows(z(b, self.rows.width), z(b, g), z(b), z(b), z(b), z(b),
-                         np.full(t, b, np.int32), z(t), np.int32(0), np.int32(0))  # fmt: skip
+        return PagedRows(z(b, self.rows.width), z(b, self.scheduler.group), z(b), z(b), z(b),
+                         z(b), np.full(t, b, np.int32), z(t), np.int32(0), np.int32(0),
+                         **ring)  # fmt: skip
+
+    def _warm_flat(self, b: int, t: int) -> None:
+        """The flattened step over `b` rows and `t` tokens."""
+        z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+        mass = None
+        if self.attention_mass:
+            mass = MassRows(np.zeros(b, bool), np.zeros(b, bool), np.ones(b, np.int32), z(b),
+                            z(b), np.zeros(b, bool))  # fmt: skip
+        idle = self._idle(b, t, raw=np.zeros(b, bool), sink=z(b), shift=z(b), mass=mass)
+        probe = Request.build(self.params)
+        sampling = SamplingArrays.build([probe.sampling] * b, [probe.seed] * b)
+        args = (self.params.weights, self.params.config, self.pool_spec(), idle, z(t), z(t),
+                self._last_tok, np.full(t, -1, np.int32))  # fmt: skip
+        kw = dict(backend=self.backend, dtype=self.kv_dtype, mesh=self.mesh)
+        programs.compile(flat_logits, *args, **kw)
+        if t == b:  # one sampling program per row bucket
+            logits = jax.eval_shape(lambda: flat_logits(*args, **kw))[0]
+            programs.compile(sample_rows, logits, sampling, z(b), self._last_tok)
+
+    def _queries_args(self, b: int, t: int):
+        z = np.zeros(t, np.int32)
+        return (self.params.weights, self.params.config, self.pool_spec(), self._idle(b, t), z, z)
+
+    def _warm_queries(self, b: int, window: int) -> None:
+        """The window queries of `b` rows of `window` tokens each."""
+        programs.compile(window_queries, *self._queries_args(b, b * window),
+                         backend=self.backend, dtype=self.kv_dtype)  # fmt: skip
+
+    def _warm_select(self, key, b: int, compacts: bool = False) -> None:
+        """The selection of `key` (a select-once policy's jit key) over `b` rows, given the
+        window queries' shape; `compacts`: then the compaction of what it keeps."""
+        cfg = self.params.config
+        window = vote_window(key)
+        t = b * bucket(window) if window else 1
+        z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+        queries = None
+        if window:
+            queries = jax.eval_shape(
+                lambda: window_queries(*self._queries_args(b, t), backend=self.backend,
+                                       dtype=self.kv_dtype)
+            )  # fmt: skip
         sens = None
         if key.needs_sensitivity:
             sens = np.zeros((b, cfg.num_layers, cfg.num_kv_heads), np.float32)
-        src, counts, _ = paged_select(
-            self.params.weights, cfg, self.device, idle, z(t), z(t), z(b), sens,
-            backend=self.backend, dtype=self.kv_dtype, policy=key,
-        )  # fmt: skip
-        if b == 1:
-            self.device = compact(self.device, src[0].reshape(g, -1), z(self.rows.width), z(g))
-        counts.block_until_ready()
+        args = (cfg, self.pool_spec(), self._idle(b, t), queries, z(t), z(b), sens)
+        programs.compile(paged_select, *args, backend=self.backend, policy=key)
+        if compacts:
+            src = jax.eval_shape(lambda: paged_select(*args, backend=self.backend, policy=key))[0]
+            g = self.scheduler.group
+            programs.compile(compact, self.pool_spec(), src, z(self.rows.width), z(g), np.int32(0))
 
-    def _warm_flat(self, rows, rings: bool = False, mass: bool = False) -> None:
-        """The flattened step at every (rows, tokens) bucket a step can have: tokens from the
-        rows' count (one each) to the token budget's bucket; `rings`: with rows whose keys are
-        stored before RoPE (`PagedRows.raw`); `mass`: with H2O's rows (`PagedRows.mass`)."""
-        cfg, g = self.params.config, self.scheduler.group
-        probe = Request.build(self.params)
-        sched = self.scheduler
-        for b in rows:  # b rows (more than b / 2 of them real) hold at most b chunks
-            most = bucket(min(sched.token_budget, b * sched.chunk))
-            for t in (1 << i for i in range(b.bit_length() - 1, most.bit_length())):
-                z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
-                idle = PagedRows(
-                    z(b, self.rows.width), z(b, g), z(b), z(b), z(b), z(b),
-                    np.full(t, b, np.int32), z(t), np.int32(0), np.int32(0),
-                    *((np.zeros(b, bool), z(b), z(b)) if rings else (None, None, None)),
-                    MassRows(np.zeros(b, bool), np.zeros(b, bool), np.ones(b, np.int32), z(b),
-                             z(b), np.zeros(b, bool)) if mass else None,
-                )  # fmt: skip
-                sampling = SamplingArrays.build([probe.sampling] * b, [probe.seed] * b)
-                self._last_tok, self.device = ragged_step(
-                    self.params.weights, cfg, self.device, idle, z(t), z(t), sampling, z(b),
-                    self._last_tok, np.full(t, -1, np.int32), backend=self.backend,
-                    dtype=self.kv_dtype, mesh=self.mesh,
-                )  # fmt: skip
-                self._last_tok.block_until_ready()
+    def _warm_rows(self, n: int) -> None:
+        """A block-row update of `n` rows."""
+        ids = np.full(n, self.pool.num_blocks, np.int32)
+        programs.compile(set_rows, self.pool_spec(), ids,
+                         np.zeros((n, self.scheduler.group), np.int32))  # fmt: skip
+
+    def _warm_sensitivity(self, n: int) -> None:
+        """EffiCache's gradient pass over a prompt of `n` tokens (a bucket)."""
+        x = np.zeros((1, n), np.int32)
+        programs.compile(sensitivity_pass, self.params.weights, self.params.config, x,
+                         np.ones(1, np.int32))  # fmt: skip

@@ -43,7 +43,8 @@ def head_sensitivity(weights, config, tokens, n_prompt):
             )
             return out * gates[:, layer, None, :, None].astype(out.dtype), cache, carry
 
-        logits, _ = forward(weights, config, tokens, positions, None, attention)
+        # a layer's activations at a time (a long prompt's whole-model ones do not fit)
+        logits, _ = forward(weights, config, tokens, positions, None, attention, remat=True)
         logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
         nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
         return jnp.sum(jnp.where(real[:, 1:], nll, 0.0))

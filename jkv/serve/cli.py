@@ -18,7 +18,8 @@ import jax
 
 import jkv
 from jkv.checkpoints import DEMO_DIR
-from jkv.compile_time import use_compile_cache
+from jkv.compile_time import compile_cache_dir, programs_built, use_compile_cache
+from jkv.engine import programs
 from jkv.request import resolve_policy
 from jkv.response_cache import CacheUnavailableError
 from jkv.response_cache.config import check_redis_url
@@ -54,7 +55,14 @@ def add_subcommand(sub) -> None:
     s.add_argument("--kv-dtype", default=None,
                    help="KV storage, one per server: float32, bfloat16 or float8_e4m3fn (fp8) "
                    "(default: the weights' dtype)")  # fmt: skip
-    s.add_argument("--num-pages", type=int, default=1024, help="KV pool pages")
+    s.add_argument("--num-pages", type=int, default=None,
+                   help="KV pool pages (default: a share of the free memory, "
+                   "--kv-memory-fraction)")  # fmt: skip
+    s.add_argument("--kv-memory-fraction", type=float, default=None,
+                   help="the KV pool's share of the free memory after the weights when "
+                   "--num-pages is not given (default: 0.9 on an accelerator; on a CPU 0.25 of "
+                   "the available RAM, at most 2 GiB); never less than one full-context "
+                   "request")  # fmt: skip
     s.add_argument("--page-size", type=int, default=16, help="tokens per page")
     s.add_argument("--max-running", type=int, default=32, help="requests decoding at once")
     s.add_argument("--token-budget", type=int, default=256, help="tokens per engine step")
@@ -104,7 +112,11 @@ def add_subcommand(sub) -> None:
     s.add_argument("--kv-events-topic", default="", help="the events' topic frame")
     s.add_argument("--kv-events-rank", type=int, default=0,
                    help="data_parallel_rank in the events (a replica's index)")  # fmt: skip
-    s.add_argument("--warmup", action="store_true", help="compile every step shape first")
+    s.add_argument("--warmup", action="store_true",
+                   help="before serving, compile every program a request can need: every step "
+                   "shape and every served policy's selection (progress and ETA in the log); "
+                   "with the persistent compilation cache (on by default) a restart reads "
+                   "them")  # fmt: skip
     s.add_argument("--shutdown-timeout", type=_seconds, default=30.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish; the "
                    f"process exits at most {DRAIN_S + EXIT_S:g} s later, whatever the engine "
@@ -311,6 +323,9 @@ def _mesh(args: argparse.Namespace):
 def _engine(args: argparse.Namespace, events=None):
     """The model and its engine, as every process of a group builds them (the same ones)."""
     use_compile_cache()
+    programs_built()  # counted from here on (/metrics: jkv:programs_built)
+    folder = compile_cache_dir()
+    programs.store_in(None if folder is None else folder / "programs")
     mesh = _mesh(args)
     params = jkv.load(args.model, mesh=mesh)
     if args.served_model_name:
@@ -318,6 +333,7 @@ def _engine(args: argparse.Namespace, events=None):
     engine = jkv.Engine(
         params,
         num_pages=args.num_pages,
+        memory_fraction=args.kv_memory_fraction,
         page_size=args.page_size,
         max_running=args.max_running,
         token_budget=args.token_budget,
@@ -330,11 +346,43 @@ def _engine(args: argparse.Namespace, events=None):
         admission=args.admission,
         kv_events=events,
     )
+    log = logging.getLogger("jkv.serve")
+    log.info("%s", engine.describe_pool())
     if args.warmup:
         policy = resolve_policy(args.kv_policy, args.kv_budget)
-        seconds = engine.warmup(kv_policies=[policy] if policy is not None else ())
-        logging.getLogger("jkv.serve").info("warmed up in %.1f s", seconds)
+        policies = engine.served_policies() + ([policy] if policy is not None else [])
+        seconds = engine.warmup(kv_policies=policies, progress=warmup_progress(log))
+        names = dict.fromkeys(p if isinstance(p, str) else p.name for p in policies)
+        log.info("warmed up in %.1f s: every step shape and the programs of %s", seconds,
+                 ", ".join(names))  # fmt: skip
     return params, engine
+
+
+def warmup_progress(log):
+    """`Engine.warmup`'s progress as log lines (about every 10%, and the last) with an ETA, and
+    a bar on a terminal's stderr."""
+    import sys
+
+    from tqdm import tqdm
+
+    bar = None
+    shown = [0]
+
+    def progress(done: int, total: int, label: str, seconds: float) -> None:
+        nonlocal bar
+        if bar is None and sys.stderr.isatty():
+            bar = tqdm(total=total, desc="warmup", unit="program", file=sys.stderr)
+        if bar is not None:
+            bar.update(1)
+            if done == total:
+                bar.close()
+        if done * 10 // total > shown[0] or done == total:
+            shown[0] = done * 10 // total
+            left = seconds / done * (total - done)
+            log.info("warmup: %d/%d programs in %.0f s, about %.0f s left (%s)", done, total,
+                     seconds, left, label)  # fmt: skip
+
+    return progress
 
 
 def _follow(args: argparse.Namespace, link, log) -> int:

@@ -25,6 +25,8 @@ import logging
 import os
 import time
 
+from jkv.compile_time import programs_built
+
 # vLLM's buckets (v1/metrics): TTFT from arrival, inter-token latency, request latencies.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
@@ -106,6 +108,9 @@ class _EngineCollector:
                       s["prefix_queries"])  # fmt: skip
         yield counter("jkv:prefix_cache_hits", "Prefix-cache blocks found.", s["prefix_hits"])
         yield counter("jkv:num_preemptions", "Requests preempted.", s["preemptions"])
+        yield counter("jkv:programs_built", "Programs this process compiled or read back from "
+                      "the compilation cache (none while serving after --warmup).",
+                      programs_built())  # fmt: skip
         recycled = CounterMetricFamily(
             "jkv:pages_recycled", "Cached pages taken back.", labels=label + ["reason"]
         )

@@ -11,8 +11,8 @@ import random
 import pytest
 
 import jkv
+from jkv.compile_time import programs_built
 from jkv.engine.engine import Engine
-from jkv.engine.ragged import ragged_step
 from jkv.limits import available_bytes
 
 
@@ -109,20 +109,23 @@ def test_a_prefix_hit_gives_the_same_tokens(demo):
 
 def test_no_step_compiles_after_warmup(demo):
     """Warmup compiles the flattened step at each (rows, tokens) bucket a step can have and no
-    other: 1 row holds at most one chunk of 16 tokens (1-16: 5 buckets), 2 rows the budget's 32
-    (2-32: 5); requests after it compile nothing. (61 pages: shapes no other test compiles.)"""
+    other: 1 row holds at most one chunk of 16 tokens (1, 4, 16), 2 rows the budget's 32 (2, 4,
+    16, 32); requests after it compile nothing. (61 pages: shapes no other test compiles.)"""
     engine = Engine(demo, num_pages=61, page_size=16, token_budget=32, chunk=16, max_running=2,
                     max_model_len=32)  # fmt: skip
-    compiled = (ragged_step,)
-    start = [f._cache_size() for f in compiled]
+    steps = [label for label, _ in engine.warmup_jobs() if label.startswith("step")]
+    assert steps == ["step 1 rows x 1 tokens", "step 1 rows x 4 tokens", "step 1 rows x 16 tokens",
+                     "step 2 rows x 2 tokens", "step 2 rows x 4 tokens", "step 2 rows x 16 tokens",
+                     "step 2 rows x 32 tokens"]  # fmt: skip
+    start = programs_built()
     seconds = engine.warmup()
     assert seconds > 0
-    before = [f._cache_size() for f in compiled]
-    assert before[0] - start[0] == 10
+    before = programs_built()
+    assert before - start >= len(engine.warmup_jobs())  # each job a program (and small ones)
     rng = random.Random(1)
     prompts = random_prompts(rng, 5, demo.config.vocab_size, 1, 20)
     engine.generate(prompts, max_new_tokens=12, temperature=0.5)
-    assert [f._cache_size() for f in compiled] == before
+    assert programs_built() == before
 
 
 def test_requests_the_engine_cannot_serve_get_clear_errors(demo):
@@ -200,8 +203,26 @@ def test_a_pool_sized_by_a_fraction_of_free_memory(demo):
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="memory_fraction"):
             Engine(demo, memory_fraction=bad)
-    with pytest.raises(ValueError, match="at least 2 are needed"):
-        Engine(demo, memory_fraction=1e-12)
+    group = demo.config.num_layers * demo.config.num_kv_heads
+    tiny = Engine(demo, page_size=16, memory_fraction=1e-12, max_model_len=200)
+    assert tiny.pool.num_pages == 13 * group + 1  # never less than one full-context request
+    assert "hold 208 tokens: 1 requests of the full 200-token context" in tiny.describe_pool()
+    with pytest.raises(ValueError, match="give one or the other"):
+        Engine(demo, num_pages=64, memory_fraction=0.5)
+
+
+def test_the_default_pool_is_a_share_of_free_memory_capped_on_a_cpu(demo):
+    """Without num_pages: a quarter of the host's available memory, at most 2 GiB on a CPU,
+    and at most two full-context requests per running row (the test model's context is small:
+    that bound decides here)."""
+    per_page = 16 * (2 * demo.config.head_dim * 4 + 4)
+    group = demo.config.num_layers * demo.config.num_kv_heads
+    engine = Engine(demo, page_size=16, max_running=4, max_model_len=2**20)
+    want = min(available_bytes() * 0.25, 2 * 2**30) // per_page
+    assert abs(engine.pool.num_pages - want) <= 0.05 * want
+    engine = Engine(demo, page_size=16, max_running=4, max_model_len=320)
+    assert engine.pool.num_pages == 2 * 4 * 20 * group + 1
+    assert engine.device.page_nbytes() == engine.pool.num_pages * per_page
 
 
 def test_streams_share_steps_and_end_as_generate_does(demo):

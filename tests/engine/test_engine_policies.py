@@ -11,11 +11,9 @@ import numpy as np
 import pytest
 
 import jkv
-from jkv.engine import policy_steps
+from jkv.compile_time import programs_built
 from jkv.engine.engine import Engine
-from jkv.engine.ragged import ragged_step
-from jkv.engine.runner import compact, set_rows
-from jkv.engine.select import paged_select
+from jkv.engine.runner import compact
 from jkv.policies import H2O, AdaKV, EffiCache, PyramidKV, Quantile, SnapKV, StreamingLLM
 
 
@@ -167,14 +165,13 @@ def test_no_step_compiles_after_warmup_with_policies(demo):
     engine = Engine(demo, num_pages=64, page_size=16, chunk=8, max_running=1, max_model_len=32,
                     attention_mass=True)  # fmt: skip
     engine.warmup(kv_policies=[H2O(budget=8, recent=2), EffiCache(window=8), RING])
-    compiled = (ragged_step, paged_select, compact, set_rows, policy_steps.sensitivity_pass)
-    before = [f._cache_size() for f in compiled]
+    before = programs_built()
     rng = random.Random(1)
     for policy in (EffiCache(budget=0.5, window=8), EffiCache(budget=5, window=8), None,
                    H2O(budget=6, recent=2), StreamingLLM(budget=7, sink=4)):  # fmt: skip
         prompts = [[rng.randrange(3, 100) for _ in range(rng.randint(9, 20))] for _ in range(2)]
         engine.generate(prompts, max_new_tokens=4, kv_policy=policy)
-    assert [f._cache_size() for f in compiled] == before
+    assert programs_built() == before
 
 
 def test_policies_the_engine_does_not_serve_get_clear_errors(demo):
