@@ -426,7 +426,12 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
         """Takes in queued adds and aborts, then runs one scheduled model step. Returns an
         output for every request that sampled a token (or finished, or failed) in it; with
         async scheduling, a flattened step's tokens come back from the next call (see
-        `_ahead`)."""
+        `_ahead`). A streamed request's outputs also reach its stream, whoever calls."""
+        outs = self._step()
+        self._deliver(outs)
+        return outs
+
+    def _step(self) -> list[RequestOutput]:
         self._lock.acquire()
         try:
             self._deliver(self._drain())

@@ -333,21 +333,29 @@ class PagePool:
 
     # ------------------------------------------------------------------ prefix cache
 
-    def lookup(self, hashes: Sequence[bytes]) -> list[int]:
+    def lookup(self, hashes: Sequence[bytes], *, count: bool = True) -> list[int]:
         """The blocks of the longest run of leading hashes that are cached, each taken (one
-        more reference; idle ones leave the LRU queue)."""
+        more reference; idle ones leave the LRU queue). `count=False`: not in `stats` (the
+        scheduler counts an admission's lookup once, with `count_lookup`, however many steps
+        a waiting request tried)."""
         found = []
         for h in hashes:
-            self.stats.prefix_queries += 1
             block = self._cached.get(h)
             if block is None:
                 break  # a miss ends the prefix: later blocks are neither looked up nor counted
-            self.stats.prefix_hits += 1
             if self.refs[block] == 0:
                 del self._lru[block]
             self.refs[block] += 1
             found.append(block)
+        if count:
+            self.count_lookup(len(hashes), len(found))
         return found
+
+    def count_lookup(self, looked: int, found: int) -> None:
+        """Counts a lookup of `looked` leading hashes that found `found` blocks (the blocks
+        looked up: those found, and the first miss)."""
+        self.stats.prefix_queries += min(looked, found + 1)
+        self.stats.prefix_hits += found
 
     def publish(self, block_hash: bytes, block: int, parent=None, tokens=()) -> bool:
         """Caches one full prompt block (held by the caller) under its hash. Returns False,

@@ -16,7 +16,7 @@ import itertools
 from collections import deque
 
 from jkv.engine.page_pool import OutOfPages, PagePool, block_hashes
-from jkv.engine.sequence import Sequence, Status
+from jkv.engine.sequence import EPOCHS, Sequence, Status
 
 ADMISSIONS = ("reserve", "optimistic")
 
@@ -151,7 +151,7 @@ class Scheduler:
         # Last block first: a prompt's last block reaches the LRU queue first, so it is evicted
         # before the blocks it depends on (vLLM frees in reverse order too).
         self.pool.release(seq.blocks[::-1])
-        seq.blocks, seq.epoch = [], seq.epoch + 1
+        seq.blocks, seq.epoch = [], next(EPOCHS)
         seq.n_prefix, seq.base, seq.prefix_pages = 0, None, 0
         seq.num_computed = seq.num_cached = seq.shared_blocks = seq.published = 0
         seq.compressed = False  # recomputed from its tokens, it is compressed again
@@ -181,19 +181,21 @@ class Scheduler:
             )  # fmt: skip
         return seq.hashes[:blocks]
 
-    def _take_prefix(self, seq: Sequence) -> None:
+    def _take_prefix(self, seq: Sequence) -> int:
         """Starts an admission from the longest cached prefix of the prompt (never the whole
         prompt: its last token must run to give the first logits; nor a compressing policy's
-        observation window)."""
+        observation window). Returns the blocks it looked up (counted once admitted)."""
         page = self.pool.page_size
         if not seq.cacheable:
-            return
+            return 0
         # A compressing policy's window of queries must run (not come from the cache).
         tail = max(1, min(seq.window, len(seq.prompt))) if seq.compresses else 1
-        blocks = self.pool.lookup(self._hashes(seq, (len(seq.prompt) - tail) // page))
-        seq.blocks, seq.epoch = blocks, seq.epoch + 1
+        hashes = self._hashes(seq, (len(seq.prompt) - tail) // page)
+        blocks = self.pool.lookup(hashes, count=False)
+        seq.blocks, seq.epoch = blocks, next(EPOCHS)
         seq.shared_blocks = seq.published = len(blocks)
         seq.num_computed = seq.num_cached = len(blocks) * page
+        return len(hashes)
 
     # ------------------------------------------------------------------ steps
 
@@ -264,7 +266,7 @@ class Scheduler:
             seq = self.waiting[0]
             if preempted and seq in preempted:
                 break  # freed this very step for lack of pages: not back before the next one
-            self._take_prefix(seq)
+            looked = self._take_prefix(seq)
             n = self._chunk_for(seq, budget)
             new_pages = self.pages_for(seq.num_computed + n) - len(seq.blocks) * self.group
             if (
@@ -275,6 +277,7 @@ class Scheduler:
             ):
                 self._free(seq)  # gives the prefix back; the next step tries again
                 break
+            self.pool.count_lookup(looked, seq.shared_blocks)  # once per admission
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -373,7 +376,7 @@ class Scheduler:
             new.append(block)
         reused = {old[j] for j in range(n_prefix) if reuse[j]}
         pool.release([b for b in old[::-1] if b not in reused])
-        seq.blocks, seq.epoch = new, seq.epoch + 1
+        seq.blocks, seq.epoch = new, next(EPOCHS)
         seq.n_prefix, seq.base = n_prefix, kept
         seq.prefix_pages = sum(sum(c) for c in cols)
         seq.compressed, seq.shared_blocks = True, 0

@@ -15,6 +15,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import itertools
+
+EPOCHS = itertools.count(1)  # `Sequence.epoch`'s values, process-wide
 
 
 class Status(enum.Enum):
@@ -40,7 +43,10 @@ class Sequence:
     num_computed: int = 0  # leading tokens whose K and V are in the pages
     num_cached: int = 0  # leading prompt tokens that came from the prefix cache (this admission)
     blocks: list[int] = dataclasses.field(default_factory=list)  # the page table (block ids)
-    epoch: int = 0  # bumped whenever `blocks` is replaced rather than appended to
+    # A number no other sequence of this process has had, drawn again whenever `blocks` is
+    # replaced rather than appended to: a page table row kept for a finished request (same id,
+    # same count of replacements) is never taken for its successor's (`RowTables.sync`).
+    epoch: int = dataclasses.field(default_factory=lambda: next(EPOCHS))
     n_prefix: int = 0  # compressed: leading blocks holding each head's kept tokens
     base: list[int] | None = None  # compressed: kept tokens per head (L * K of them)
     prefix_pages: int = 0  # compressed: pages its prefix blocks hold (holes excluded)

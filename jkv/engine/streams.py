@@ -42,6 +42,8 @@ class Streams:
         rid = settings.pop("request_id", None)
         rid = f"stream-{next(self._ids)}" if rid is None else rid
         self._loop = asyncio.get_running_loop()
+        if rid in self._queues:  # refused before anything is replaced: the first stream goes on
+            raise ValueError(f"request_id={rid!r} is already streaming; expected a new id")
         queue = self._queues[rid] = asyncio.Queue()  # before the request: no output is missed
         try:
             if isinstance(prompt, str | bytes | bytearray):
@@ -76,7 +78,7 @@ class Streams:
         """Steps the engine while it has work, handing each output to its stream's queue."""
         try:
             while self.has_work:
-                self._deliver(await asyncio.to_thread(self.step))
+                await asyncio.to_thread(self.step)  # it hands each output to its stream
         except Exception as err:  # step() fails requests, not itself; if it did, none hangs
             self._fail_streams(f"{type(err).__name__}: {err}")
             raise

@@ -27,6 +27,7 @@ handlers' `request: Request` annotations, which name a local import.)
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -351,6 +352,8 @@ class Server:
             jreq = Settings.build(self.params, **settings)
         except ValueError as e:
             raise oa.bad(oa.param_of(str(e), req.settings), str(e)) from None
+        # the KV dtype the engine runs (--kv-dtype), so the response cache's key holds it
+        jreq = dataclasses.replace(jreq, kv_dtype=self.engine.kv_dtype)
         if len(ids) + max_tokens - 1 > context:
             raise oa.bad(
                 "max_tokens",

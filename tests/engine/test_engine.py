@@ -264,6 +264,31 @@ def test_streams_share_steps_and_end_as_generate_does(demo):
     assert [o.finish_reason for o in outs] == [None, "abort"] and engine.pool.used_pages == 0
 
 
+def test_a_stream_gets_every_output_whoever_steps(demo):
+    """A stream's request stepped by `generate` (the event loop blocked meanwhile): every one
+    of its tokens still reaches the stream (generate dropped them: the stream never ended); a
+    second stream with the same live id is refused and the first goes on."""
+    rng = random.Random(9)
+    first, other = random_prompts(rng, 2, demo.config.vocab_size, 5, 20)
+    engine = Engine(demo, num_pages=128, page_size=8, chunk=32)
+
+    async def main():
+        stream = engine.stream(first, max_new_tokens=8, request_id="s")
+        out = await anext(stream)
+        toks = list(out.new_tokens)
+        with pytest.raises(ValueError, match="'s' is already streaming"):
+            await anext(engine.stream(other, max_new_tokens=2, request_id="s"))
+        got_other = engine.generate([other], max_new_tokens=3)  # steps "s" to its end too
+        async for out in stream:
+            toks += out.new_tokens
+        return toks, out.finish_reason, got_other
+
+    toks, reason, (got_other,) = asyncio.run(asyncio.wait_for(main(), 120))
+    assert (toks, reason) == (alone(demo, first, max_new_tokens=8), "length")
+    assert got_other == alone(demo, other, max_new_tokens=3)
+    assert engine.pool.used_pages == 0 and not engine.has_work
+
+
 def test_stats_count_pages_prefix_hits_and_requests(demo):
     engine = Engine(demo, num_pages=64, page_size=8, chunk=32)
     prompt = list(range(3, 30))  # 27 tokens: 3 full blocks

@@ -340,3 +340,50 @@ def test_a_request_without_a_limit_reserves_what_it_is_likely_to_need():
     assert runs[None][0] == 2  # 70 tokens reserved: 18 blocks x 4 pages of 160
     assert runs[8][0] >= 6  # 10 + 8 tokens: 5 blocks
     assert runs[None][1] == runs[8][1]
+
+
+def test_a_reused_request_id_gets_its_own_page_table_row():
+    """A request id used again after its request finished: the new sequence's table row is its
+    own blocks, not the finished one's (both reached one block replacement, taking a prefix;
+    rows were matched by id and that count, so the stale row, now prefix-cache blocks, stayed)."""
+    from jkv.engine.runner import RowTables
+
+    pool, sched, dev = make(token_budget=64, chunk=64)
+    rows = RowTables(4, 16)
+    prompt = list(range(1, 19))
+    sched.add(seq("x", prompt, max_tokens=2))
+    plan = sched.schedule()
+    rows.sync(sched.by_id["x"])
+    old = list(sched.by_id["x"].blocks)
+    run_all(sched, dev)  # "x" finished; its prompt blocks stay in the prefix cache
+    sched.add(seq("x", [7] * 18, max_tokens=2))  # another prompt: no prefix to share
+    plan = sched.schedule()
+    (s,) = plan.scheduled
+    rows.keep_only({q.request_id for q in sched.running})  # `Engine._start`'s order
+    row = rows.sync(s.seq)
+    assert list(rows.table[row, : len(s.seq.blocks)]) == s.seq.blocks != old[: len(s.seq.blocks)]
+    assert not rows.table[row, len(s.seq.blocks) :].any()
+
+
+def test_a_waiting_request_counts_its_prefix_lookup_once():
+    """A head-of-line request that cannot be admitted yet looks its prefix up every step, but
+    `prefix_hits` counts it once, when it is admitted (3 -> 6 -> 9 -> 12 before)."""
+    # 56 pages: "b" waits for room while "big" runs, its prefix blocks idle in the cache
+    pool, sched, dev = make(pages=56, token_budget=64, chunk=64)
+    prompt = list(range(1, 19))  # 4 full blocks of 4
+    sched.add(seq("a", prompt, max_tokens=1))
+    run_all(sched, dev)  # publishes the prompt's blocks
+    sched.add(seq("big", range(100, 124), max_tokens=8))  # 24 tokens + 8: the pool's room
+    sched.finish_step(first := sched.schedule(), dev.run(first))  # "big" admitted (a miss)
+    base = (pool.stats.prefix_queries, pool.stats.prefix_hits)
+    sched.add(seq("b", prompt, max_tokens=4))
+    waited = 0
+    while sched.has_work:
+        plan = sched.schedule()
+        if "b" not in {q.request_id for q in sched.running}:
+            waited += 1
+            assert (pool.stats.prefix_queries, pool.stats.prefix_hits) == base
+        sched.finish_step(plan, dev.run(plan))
+    assert waited >= 5
+    assert pool.stats.prefix_hits - base[1] == 4
+    assert pool.stats.prefix_queries - base[0] == 4

@@ -200,6 +200,28 @@ def test_response_cache_answers_repeats_never_across_tenants(demo_params, serve,
         cache.close()
 
 
+def test_servers_of_another_kv_dtype_never_share_answers(demo_params, serve, redis_server):
+    """Two servers on one Redis, one storing its KV cache in bfloat16 (--kv-dtype): neither
+    answers from the other's entries (the key took the weights' dtype, float32 for both)."""
+    caches = [jkv.ResponseCache(redis_server.url, namespace="kvdtype") for _ in range(3)]
+    f32 = serve(Server(demo_params, small_engine(demo_params), response_cache=caches[0]))
+    bf16 = serve(Server(demo_params, small_engine(demo_params, kv_dtype="bfloat16"),
+                        response_cache=caches[1]))  # fmt: skip
+    again = serve(Server(demo_params, small_engine(demo_params), response_cache=caches[2]))
+
+    def ask(running):
+        body = {"model": "jkv-demo", "prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+        r = httpx.post(running.url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.headers["x-jkv-cache"]
+
+    assert ask(f32) == "miss"
+    assert ask(bf16) == "miss"  # float32's answer is not bfloat16's
+    assert ask(again) == "l2"  # a float32 server on the same Redis does share it
+    for cache in caches:
+        cache.close()
+
+
 def test_prefix_cache_hits_are_reported_per_tenant(shared):
     client = shared.client()
     prompt = PROMPT * 3  # several full pages
