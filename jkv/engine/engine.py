@@ -357,6 +357,12 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
                 f"kv_policy={policy.name!r}: KVzip's replay of the context runs on the one-shot "
                 f"path (jkv.generate, jkv.prefill) only; the engine serves {SERVED}"
             )
+        if getattr(policy, "chunked", False):  # it was accepted and ignored
+            raise ValueError(
+                f"kv_policy={policy.name!r} chunked=True: compressing each prefill chunk runs on "
+                "the one-shot path (jkv.generate) only; the engine compresses a prompt once, at "
+                "its end (chunked=False)"
+            )
         window = getattr(policy, "window", 0)
         room = min(
             self.scheduler.chunk, self.scheduler.token_budget - self.scheduler.max_running + 1
