@@ -46,7 +46,7 @@ def check_context(
 def available_bytes(device=None) -> int | None:
     """Free memory of `device` (default: the first device): the allocator's limit minus what is
     in use where the backend reports it (GPU), else the host's MemAvailable (CPU)."""
-    device = device or jax.devices()[0]
+    device = device or jax.local_devices()[0]  # addressable: a group's others are not
     stats = device.memory_stats() or {}
     if "bytes_limit" in stats:
         return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))

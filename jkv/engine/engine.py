@@ -168,8 +168,12 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
         # The pool's zeros are written (a first touch of every page: seconds for GiBs) while
         # warmup traces its programs against the pool's shapes; the first use waits for it.
         self._making, self._spec = concurrent.futures.Future(), None
-        # not a daemon: a process that ends at once waits for it (rather than abort in XLA)
-        threading.Thread(target=self._make_device, name="jkv-pool").start()
+        # Over a mesh it is made here (sharded arrays; a process ending while a thread made
+        # them aborted inside XLA); otherwise in a daemon thread.
+        if self.mesh is not None:
+            self._make_device()
+        else:
+            threading.Thread(target=self._make_device, daemon=True, name="jkv-pool").start()
         # Async scheduling: the flattened step dispatched, its tokens not read yet (`Ahead`),
         # and the last one's sampled tokens on the device (the next step's decode inputs).
         self.async_scheduling = bool(async_scheduling)
