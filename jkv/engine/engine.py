@@ -77,12 +77,10 @@ from jkv.engine.warmup import Warmup
 from jkv.memory import page_bytes
 from jkv.output import RowOutput
 from jkv.params import Params
-from jkv.policies.base import KVPolicy
 from jkv.prompt import prompt_ids
 from jkv.request import Request
 from jkv.sharding import kv_head_parallel, to_host
 
-SERVED = "snapkv, pyramidkv, adakv, efficache, quantile, streaming, h2o"
 __all__ = ["Engine", "RequestFailed", "RequestOutput"]
 
 
@@ -229,10 +227,6 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
     def has_work(self) -> bool:
         return bool(self._inbox) or self.scheduler.has_work or self._awaited()
 
-    def served_policies(self) -> list[str]:
-        """The KV policies (by name) this engine serves: H2O only with the attention mass."""
-        return [n for n in SERVED.split(", ") if n != "h2o" or self.attention_mass]
-
     def describe_pool(self) -> str:
         """What the pool holds, in tokens and in full-context requests (the server's startup
         line)."""
@@ -339,44 +333,6 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
             if policy.wants_mass:  # H2O: the settings its eviction rule takes per row
                 seq.mass_rule = (policy.recent, policy.protect, policy.scorer == "importance")
         return seq
-
-    def _check_policy(self, policy) -> None:
-        """The policies the engine serves: all but the segment rebuild (H2O only with the
-        pool's attention mass), each with an observation window that fits one step."""
-        if policy is None:
-            return
-        if policy.wants_mass and not self.attention_mass:
-            raise ValueError(
-                f"kv_policy={policy.name!r} evicts by attention mass, which this engine does not "
-                "keep: build it with jkv.Engine(..., attention_mass=True) (a float32 per stored "
-                "token)"
-            )
-        if type(policy).rebuild is not KVPolicy.rebuild:
-            raise ValueError(
-                f"kv_policy={policy.name!r}: the segment rebuild runs on the one-shot path "
-                f"(jkv.generate) only; the engine serves {SERVED}"
-            )
-        if policy.needs_replay:
-            raise ValueError(
-                f"kv_policy={policy.name!r}: KVzip's replay of the context runs on the one-shot "
-                f"path (jkv.generate, jkv.prefill) only; the engine serves {SERVED}"
-            )
-        if getattr(policy, "chunked", False):  # it was accepted and ignored
-            raise ValueError(
-                f"kv_policy={policy.name!r} chunked=True: compressing each prefill chunk runs on "
-                "the one-shot path (jkv.generate) only; the engine compresses a prompt once, at "
-                "its end (chunked=False)"
-            )
-        window = getattr(policy, "window", 0)
-        room = min(
-            self.scheduler.chunk, self.scheduler.token_budget - self.scheduler.max_running + 1
-        )
-        if window > room:
-            raise ValueError(
-                f"kv_policy={policy.name!r} window={window}: its observation window must run in "
-                f"one step, at most {room} tokens here (chunk={self.scheduler.chunk}, "
-                f"token_budget={self.scheduler.token_budget} less one per other running request)"
-            )
 
     def abort(self, request_id: str) -> bool:
         """Stops a request; its pages go back to the pool (at once when no step runs, else

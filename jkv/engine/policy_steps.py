@@ -17,6 +17,7 @@ from jkv.engine.select import (
     vote_window,
     window_queries,
 )
+from jkv.policies.base import KVPolicy
 from jkv.policies.efficache import head_sensitivity
 from jkv.sharding import to_host
 
@@ -34,7 +35,53 @@ def sensitivity_bucket(n: int, max_len: int) -> int:
     return next(s for s in sensitivity_buckets(max(max_len, n)) if s >= n)
 
 
+# The policies `jkv.Engine` serves (the segment rebuild and KVzip run on the one-shot path).
+SERVED = "snapkv, pyramidkv, adakv, efficache, quantile, streaming, h2o"
+
+
 class PolicySteps:
+    def served_policies(self) -> list[str]:
+        """The KV policies (by name) this engine serves: H2O only with the attention mass."""
+        return [n for n in SERVED.split(", ") if n != "h2o" or self.attention_mass]
+
+    def _check_policy(self, policy) -> None:
+        """The policies the engine serves: all but the segment rebuild (H2O only with the
+        pool's attention mass), each with an observation window that fits one step."""
+        if policy is None:
+            return
+        if policy.wants_mass and not self.attention_mass:
+            raise ValueError(
+                f"kv_policy={policy.name!r} evicts by attention mass, which this engine does not "
+                "keep: build it with jkv.Engine(..., attention_mass=True) (a float32 per stored "
+                "token)"
+            )
+        if type(policy).rebuild is not KVPolicy.rebuild:
+            raise ValueError(
+                f"kv_policy={policy.name!r}: the segment rebuild runs on the one-shot path "
+                f"(jkv.generate) only; the engine serves {SERVED}"
+            )
+        if policy.needs_replay:
+            raise ValueError(
+                f"kv_policy={policy.name!r}: KVzip's replay of the context runs on the one-shot "
+                f"path (jkv.generate, jkv.prefill) only; the engine serves {SERVED}"
+            )
+        if getattr(policy, "chunked", False):  # it was accepted and ignored
+            raise ValueError(
+                f"kv_policy={policy.name!r} chunked=True: compressing each prefill chunk runs on "
+                "the one-shot path (jkv.generate) only; the engine compresses a prompt once, at "
+                "its end (chunked=False)"
+            )
+        window = getattr(policy, "window", 0)
+        room = min(
+            self.scheduler.chunk, self.scheduler.token_budget - self.scheduler.max_running + 1
+        )
+        if window > room:
+            raise ValueError(
+                f"kv_policy={policy.name!r} window={window}: its observation window must run in "
+                f"one step, at most {room} tokens here (chunk={self.scheduler.chunk}, "
+                f"token_budget={self.scheduler.token_budget} less one per other running request)"
+            )
+
     def _ends_compression(self, r) -> bool:
         """Whether `r`'s step (on the flattened step) ends a prompt its policy compresses (its
         selection follows the step, `_select`)."""
