@@ -139,3 +139,22 @@ def write_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def tiny_chat_case(tmp_path: Path):
+    """A tiny GGUF chat model (ChatML) loaded by jkv, the same weights in transformers, and a
+    chat prompt: (params, HF model, the chat's prefix ids, the prompt's ids: the prefix and
+    two sentences with a magic number)."""
+    import quality_kvpress as qk
+    from tiny_hf import write_tiny_checkpoint
+
+    import jkv
+    from jkv.replay import chat_frame
+
+    src = write_tiny_checkpoint(tmp_path / "src", "llama", vocab_size=BPE_VOCAB)
+    params = jkv.load(write_tiny_gguf(tmp_path / "m.gguf", src, "llama"))
+    model, _ = qk.load_hf(jkv.export_hf(params, tmp_path / "hf"), attn_implementation="sdpa")
+    prefix, _ = chat_frame(params)
+    body = params.tokenizer.encode(" Magic numbers hide in text, 41729 among them." * 2,
+                                   add_special_tokens=False)  # fmt: skip
+    return params, model, prefix, prefix + body

@@ -178,7 +178,7 @@ def write_tokens(pool, at, k, v, positions, kv_dtype: str):
 
 def make_paged_attention(
     rows: PagedRows, *, config, backend: str, kv_dtype: str, mesh=None, write: bool = True,
-    evict=None,
+    evict=None, queries: bool | None = None,
 ):  # fmt: skip
     """The per-layer callable the model calls on the flattened step: rotate q and k at their
     positions, write k and v into the pool (the model's `carry`: a dict of the pool's arrays,
@@ -188,8 +188,10 @@ def make_paged_attention(
     the engine's selection); nothing is written, and each layer's rotated queries `[T, N, H]`
     are its cache entry (stacked by the model: `[L, T, N, H]`). `evict`: H2O's slot rule
     (`jkv.policies.h2o.lightest_slots`), for a step with H2O's rows (`rows.mass`), whose
-    queries also add to the pool's mass."""
+    queries also add to the pool's mass. `queries` (default: `not write`): each layer's rotated
+    queries are its cache entry, also when writing (KVzip's replay in the engine)."""
     kernels = ops(backend)
+    queries = not write if queries is None else queries
     inv_freq = jnp.asarray(config.inv_freq())
 
     def ranks(positions, rows):
@@ -256,7 +258,7 @@ def make_paged_attention(
         return out[None], pool
 
     def attention(layer, q, k, v, positions, entry, pool):
-        if not write:
+        if queries:
             entry = rope(q, ranks(positions, rows)[:, :, None], inv_freq)[0]
         if mesh is None:
             out, pool = local(layer, q, k, v, positions, pool, rows)

@@ -32,8 +32,9 @@ budget's slots: each new token overwrites the oldest non-sink one (StreamingLLM,
 chosen by the host, `Sequence.ring_write`) or, per head, the lightest by attention mass outside
 the recent window (H2O, chosen in the step; every query of an H2O row adds the attention it pays
 to the mass of each slot, a float32 per stored token in the pool:
-`Engine(attention_mass=True)`). The segment rebuild and KVzip stay on the one-shot path
-(ValueError here). The kv dtype (float32, bfloat16, or fp8 with a bfloat16 scale per token) is
+`Engine(attention_mass=True)`). KVzip's replay of the context runs over the row's own pages
+after its prompt (`jkv.engine.replay`), then it selects like the others. The segment rebuild
+stays on the one-shot path (ValueError here). The kv dtype (float32, bfloat16, or fp8 with a bfloat16 scale per token) is
 one per engine.
 
 Over a mesh (params loaded with `mesh=`, or `Engine(..., mesh=)`), the pool is sharded over kv
@@ -63,6 +64,7 @@ from jkv.engine.policy_steps import PolicySteps
 from jkv.engine.pool_size import describe, pages_for_memory
 from jkv.engine.ragged import most_tokens, order, pack_ragged, ragged_step
 from jkv.engine.recovery import Recovery
+from jkv.engine.replay import scratch_tokens
 from jkv.engine.request_output import RequestOutput, Row
 from jkv.engine.runner import (
     RowTables,
@@ -332,6 +334,16 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
             seq.raw_sink = policy.sink if policy.raw_keys else None
             if policy.wants_mass:  # H2O: the settings its eviction rule takes per row
                 seq.mass_rule = (policy.recent, policy.protect, policy.scorer == "importance")
+            if policy.needs_replay:  # KVzip: its replay is written after the prompt
+                seq.scratch = scratch_tokens(self.params, ids, policy)
+                room = self.rows.width * self.pool.page_size
+                if len(ids) + seq.scratch > room:
+                    raise ValueError(
+                        f"kv_policy='kvzip': a prompt of {len(ids)} tokens and its replay "
+                        f"({seq.scratch} tokens, chunk={policy.chunk}) need "
+                        f"{len(ids) + seq.scratch} positions, more than a row's {room} here; "
+                        "shorten the prompt or give KVzip a smaller chunk"
+                    )
         return seq
 
     def abort(self, request_id: str) -> bool:

@@ -9,6 +9,7 @@ import numpy as np
 
 from jkv import kv as kvlib
 from jkv.engine import programs
+from jkv.engine.replay import REPLAY_CHUNK, pack_replay, replay_piece, replay_span, replay_tokens
 from jkv.engine.runner import compact
 from jkv.engine.select import (
     SELECT_ROWS,
@@ -17,6 +18,7 @@ from jkv.engine.select import (
     vote_window,
     window_queries,
 )
+from jkv.engine.sequence import Status
 from jkv.policies.base import KVPolicy
 from jkv.policies.efficache import head_sensitivity
 from jkv.sharding import to_host
@@ -35,11 +37,13 @@ def sensitivity_bucket(n: int, max_len: int) -> int:
     return next(s for s in sensitivity_buckets(max(max_len, n)) if s >= n)
 
 
-# The policies `jkv.Engine` serves (the segment rebuild and KVzip run on the one-shot path).
-SERVED = "snapkv, pyramidkv, adakv, efficache, quantile, streaming, h2o"
+# The policies `jkv.Engine` serves (the segment rebuild runs on the one-shot path).
+SERVED = "snapkv, pyramidkv, adakv, efficache, quantile, streaming, h2o, kvzip"
 
 
 class PolicySteps:
+    replay_chunk = REPLAY_CHUNK  # KVzip's replay tokens one program takes
+
     def served_policies(self) -> list[str]:
         """The KV policies (by name) this engine serves: H2O only with the attention mass."""
         return [n for n in SERVED.split(", ") if n != "h2o" or self.attention_mass]
@@ -60,16 +64,16 @@ class PolicySteps:
                 f"kv_policy={policy.name!r}: the segment rebuild runs on the one-shot path "
                 f"(jkv.generate) only; the engine serves {SERVED}"
             )
-        if policy.needs_replay:
-            raise ValueError(
-                f"kv_policy={policy.name!r}: KVzip's replay of the context runs on the one-shot "
-                f"path (jkv.generate, jkv.prefill) only; the engine serves {SERVED}"
-            )
         if getattr(policy, "chunked", False):  # it was accepted and ignored
             raise ValueError(
                 f"kv_policy={policy.name!r} chunked=True: compressing each prefill chunk runs on "
                 "the one-shot path (jkv.generate) only; the engine compresses a prompt once, at "
                 "its end (chunked=False)"
+            )
+        if getattr(policy, "replaying", False):
+            raise ValueError(
+                f"kv_policy={policy.name!r} replaying=True: the replay pass's own key, not a "
+                "setting; leave it False"
             )
         window = getattr(policy, "window", 0)
         room = min(
@@ -96,6 +100,9 @@ class PolicySteps:
             self._select_rows(ending[i : i + SELECT_ROWS], policy, kept)
 
     def _select_rows(self, ending, policy, kept) -> None:
+        replayed = self._replay(ending) if policy.needs_replay else None
+        if not ending:
+            return  # every row waits: the replay's room preempted them
         window = vote_window(policy)
         rows, tokens, positions = pack_select(
             ending, self.rows, self.scheduler.group, self.pool.page_size, window
@@ -115,7 +122,7 @@ class PolicySteps:
                                     dtype=self.kv_dtype)  # fmt: skip
         src, counts, first = programs.call(
             paged_select, self.params.config, self.device, rows, queries, positions, budgets,
-            sensitivity, backend=self.backend, policy=policy,
+            sensitivity, replayed, backend=self.backend, policy=policy,
         )  # fmt: skip
         counts = to_host(counts)
         first = to_host(first) if policy.raw_keys else None  # StreamingLLM's ring positions
@@ -123,6 +130,38 @@ class PolicySteps:
             c = counts[i].reshape(-1).tolist()
             ring = None if first is None else first[i, : c[0]].tolist()
             kept[r.seq.request_id] = (src, i, c, ring)
+
+    def _replay(self, ending):
+        """`[SELECT_ROWS, L, K, W]` float32: KVzip's slot scores of each row in `ending` by
+        its replay (`jkv.engine.replay`), over its own pages. Each row first takes room for
+        the replay past its prompt; a row that had to wait for it leaves `ending` (with the
+        rows preempted to make room: they are recomputed)."""
+        cfg, page = self.params.config, self.pool.page_size
+        for r in ending:
+            if r.seq.status is Status.RUNNING:
+                self.scheduler.make_room(r.seq, r.seq.scratch)
+        ending[:] = [r for r in ending if r.seq.status is Status.RUNNING]
+        self._sync_rows()
+        width = self.rows.width * page
+        best = np.zeros((SELECT_ROWS, cfg.num_layers, cfg.num_kv_heads, width), np.float32)
+        for i, r in enumerate(ending):
+            seq = r.seq
+            policy = self._rows[seq.request_id].req.policy
+            table = self.rows.table[self.rows.sync(seq)]
+            n = len(seq.prompt)
+            for ids, lo, hi in replay_tokens(self.params, seq.prompt, policy):
+                piece = np.array([lo, hi, policy.sink, n], np.int32)
+                for done in range(0, len(ids), self.replay_chunk):
+                    part = ids[done : done + self.replay_chunk]
+                    rows, tokens, positions = pack_replay(table, self.scheduler.group, n, done,
+                                                          part, self.replay_chunk)  # fmt: skip
+                    span = replay_span(n + done + len(part), width)
+                    best, self.device = programs.call(
+                        replay_piece, self.params.weights, cfg, self.device, rows, tokens,
+                        positions, piece, best, np.int32(i), backend=self.backend,
+                        dtype=self.kv_dtype, span=span,
+                    )  # fmt: skip
+        return best
 
     def _sensitivity(self, rows, ending, b: int) -> np.ndarray:
         """`[b, L, K]` float32: EffiCache's head sensitivity of each row whose prompt ends in

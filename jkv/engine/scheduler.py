@@ -108,7 +108,7 @@ class Scheduler:
         whole prompt beside the kept tokens' pages (a ring stops growing there)."""
         need = self.pages_for(len(seq.prompt) + seq.max_tokens)
         if seq.compresses:
-            both = self.pages_for(len(seq.prompt)) + self.pages_for(seq.keep)
+            both = self.pages_for(len(seq.prompt) + seq.scratch) + self.pages_for(seq.keep)
             need = both if seq.limit is not None else max(need, both)
         return need
 
@@ -204,7 +204,8 @@ class Scheduler:
         its reserve; past it, to its next block): before its policy compresses, to the larger
         of the whole prompt and what it keeps plus its new tokens."""
         if seq.compresses and not seq.compressed:
-            return max(0, self.pages_for(max(len(seq.prompt), seq.keep)) - self.pages_for(
+            most = max(len(seq.prompt) + seq.scratch, seq.keep)
+            return max(0, self.pages_for(most) - self.pages_for(
                 len(seq.blocks) * self.pool.page_size))  # fmt: skip
         goal = seq.max_tokens
         if seq.reserve is not None:
@@ -381,6 +382,21 @@ class Scheduler:
         seq.prefix_pages = sum(sum(c) for c in cols)
         seq.compressed, seq.shared_blocks = True, 0
         return old, new
+
+    def make_room(self, seq: Sequence, tokens: int) -> bool:
+        """Blocks for `tokens` past `seq`'s prompt before it is compressed (KVzip's replay writes
+        there; the compaction gives them back), preempting the newest other running sequences
+        while the pool lacks them. False if `seq` itself had to wait (recomputed later)."""
+        page = self.pool.page_size
+        while (need := -(-(len(seq.prompt) + tokens) // page) - len(seq.blocks)) > 0:
+            try:
+                seq.blocks += self.pool.allocate_blocks(need)
+            except OutOfPages:
+                victim = next((s for s in reversed(self.running) if s is not seq), seq)
+                self._preempt(victim)
+                if victim is seq:
+                    return False
+        return True
 
     def compress_or_preempt(self, seq: Sequence, kept):
         """`compress`, preempting the newest other running sequences while the pool lacks the

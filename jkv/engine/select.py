@@ -18,6 +18,8 @@ Returns what each head keeps as pool tokens in slot order, for the compaction
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,6 +39,8 @@ SELECT_ROWS = 4  # rows a selection takes at most (more ending in one step: seve
 def vote_window(policy) -> int:
     """The observation window a select-once policy's votes need (`window_queries`), 0 when it
     keeps by something else (positions, key norms, H2O's mass)."""
+    if policy.needs_replay:  # KVzip: its replay's queries (`jkv.engine.replay`)
+        return 0
     return policy.window if policy.observes and not policy.wants_mass else 0
 
 
@@ -59,6 +63,23 @@ def key_norms(pool: PagedKV, at, lengths) -> jax.Array:
     return jnp.where(jnp.arange(s) < lengths[..., None], out[..., :s], 0.0)
 
 
+def pool_pass(weights, config, pool: PagedKV, rows: PagedRows, tokens, positions, *,
+              backend: str, dtype: str, write: bool):  # fmt: skip
+    """The model over `tokens` `[T]` (at text `positions` `[T]`) of rows whose earlier tokens
+    are in the pool, attention reading the rows' pages (and writing the tokens' K and V when
+    `write`). Returns (`[L, T, N, H]` every layer's rotated queries, the pool)."""
+    scales = ("k_scale", "v_scale") if pool.k_scale is not None else ()
+    names = ("k", "v", "positions", "block_pages", *scales)
+    attend = make_paged_attention(rows, config=config, backend=backend, kv_dtype=dtype,
+                                  write=write, queries=True)  # fmt: skip
+    last = rows.q_start + jnp.maximum(rows.q_len - 1, 0)
+    _, queries, new = flat_step(weights, config, tokens, positions, attend, last,
+                                {n: getattr(pool, n) for n in names})  # fmt: skip
+    if write:
+        pool = dataclasses.replace(pool, **{n: new[n] for n in names if n != "block_pages"})
+    return queries, pool
+
+
 @programs.jit(static_argnames=("config", "backend", "dtype"))
 def window_queries(weights, config, pool: PagedKV, rows: PagedRows, tokens, positions, *,
                    backend: str, dtype: str):  # fmt: skip
@@ -66,20 +87,15 @@ def window_queries(weights, config, pool: PagedKV, rows: PagedRows, tokens, posi
     `positions` `[T]`) of E rows whose prompts are in the pool: the model over the windows,
     attention reading the rows' pages, nothing written. One program for every policy that
     votes with a window (SnapKV, PyramidKV, Ada-KV, EffiCache)."""
-    scales = ("k_scale", "v_scale") if pool.k_scale is not None else ()
-    names = ("k", "v", "positions", "block_pages", *scales)
-    attend = make_paged_attention(rows, config=config, backend=backend, kv_dtype=dtype,
-                                  write=False)  # fmt: skip
-    last = rows.q_start + jnp.maximum(rows.q_len - 1, 0)
-    _, queries, _ = flat_step(weights, config, tokens, positions, attend, last,
-                              {n: getattr(pool, n) for n in names})  # fmt: skip
+    queries, _ = pool_pass(weights, config, pool, rows, tokens, positions, backend=backend,
+                           dtype=dtype, write=False)  # fmt: skip
     return queries
 
 
 @programs.jit(static_argnames=("config", "backend", "policy"))
 def paged_select(
-    config, pool: PagedKV, rows: PagedRows, queries, positions, budgets, sensitivity=None, *,
-    backend: str, policy,
+    config, pool: PagedKV, rows: PagedRows, queries, positions, budgets, sensitivity=None,
+    replayed=None, *, backend: str, policy,
 ):  # fmt: skip
     """What `policy` (a select-once policy's `jit_key()`) keeps of E rows whose prompts are in
     the pool, uncompressed. No model runs here: a policy's own program is small.
@@ -90,6 +106,8 @@ def paged_select(
       queries: `[L, T, N, H]` their window queries (`window_queries`; None for a policy that
         does not vote with a window); positions: `[T]` the window tokens' text positions.
       budgets: `[E]` int32 prompt tokens each row keeps; `sensitivity`: `[E, L, K]` EffiCache's.
+      replayed: `[>= E, L, K, S]` float32 KVzip's slot scores from its replay
+        (`jkv.engine.replay`; rows past E ignored), whose selection ranks all layers together.
 
     Returns:
       (`[E, L, K, S]` int32 each head's kept pool tokens first, in slot order; `[E, L, K]` int32
@@ -133,6 +151,26 @@ def paged_select(
         first = jnp.take_along_axis(view.positions[:, 0], order[:, 0], axis=-1)
         counts = jnp.sum(keep, axis=-1, dtype=jnp.int32)
         return jnp.take_along_axis(at, order, axis=-1), counts, first
+
+    if policy.needs_replay:  # every layer's view first: the ranking spans them all
+
+        def view(layer):
+            at = token_index(pool, index_rows, layer, kh, dense)
+            return at, jnp.where(live, flat(pool.positions)[at], -1)
+
+        at, pos = jax.lax.map(view, jnp.arange(nl, dtype=jnp.int32))  # [L, E, K, S]
+        layers = tuple(
+            kvlib.LayerKV(
+                k=None, v=None, lengths=lengths, positions=pos[i], scores=replayed[:e, i]
+            )  # fmt: skip
+            for i in range(nl)
+        )
+        keep = jnp.swapaxes(policy.keep_all(dataclasses.replace(ctx, layers=layers)), 0, 1)
+        order = jnp.argsort(~keep, axis=-1, stable=True).astype(jnp.int32)  # [L, E, K, S]
+        counts = jnp.sum(keep, axis=-1, dtype=jnp.int32)
+        src = jnp.take_along_axis(at, order, axis=-1)
+        first = jnp.take_along_axis(pos[:, :, 0], order[:, :, 0], axis=-1)
+        return jnp.swapaxes(src, 0, 1), jnp.swapaxes(counts, 0, 1), first[0]
 
     # one layer's program, scanned (as the model's layers are): [L, E, ...]
     src, counts, first = jax.lax.map(lambda xs: one_layer(*xs),

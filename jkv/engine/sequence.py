@@ -57,6 +57,7 @@ class Sequence:
     window: int = 0  # prompt tokens the policy's last prefill step must hold (SnapKV's window)
     keep: int = 0  # tokens a head holds at most once compressed, generated ones included
     limit: int | None = None  # an evicting policy's slots per head once compressed (a ring)
+    scratch: int = 0  # tokens its policy writes past the prompt before compressing (KVzip)
     raw_sink: int | None = None  # keys stored before RoPE (StreamingLLM): its sink count
     mass_rule: tuple[int, int, bool] | None = None  # H2O's (recent, protect, importance)
     ring_count: int = 0  # a StreamingLLM ring: slots it holds

@@ -18,6 +18,7 @@ from jkv.core.sampling import SamplingArrays
 from jkv.engine import programs
 from jkv.engine.policy_steps import sensitivity_buckets, sensitivity_pass
 from jkv.engine.ragged import flat_logits, most_tokens, sample_rows, token_buckets
+from jkv.engine.replay import pack_replay, replay_piece, replay_span
 from jkv.engine.runner import bucket, compact, set_rows
 from jkv.engine.select import SELECT_ROWS, paged_select, vote_window, window_queries
 from jkv.policies import resolve
@@ -75,6 +76,11 @@ class Warmup:
             for i, k in enumerate(keys)
             for b in select_rows
         ]
+        if any(k.needs_replay for k in keys):  # KVzip's replay: one piece per span
+            width = self.rows.width * self.pool.page_size
+            spans = sorted({replay_span(1 << i, width) for i in range(width.bit_length() + 1)})
+            jobs += [(f"kvzip replay x {s} slots", lambda s=s: self._warm_replay(s))
+                     for s in spans]  # fmt: skip
         jobs += [
             (f"block rows x {n}", lambda n=n: self._warm_rows(n))
             for n in (1 << i for i in range(bucket(self.pool.num_blocks).bit_length()))
@@ -133,15 +139,32 @@ class Warmup:
                 lambda: window_queries(*self._queries_args(b, t), backend=self.backend,
                                        dtype=self.kv_dtype)
             )  # fmt: skip
-        sens = None
+        sens = replayed = None
         if key.needs_sensitivity:
             sens = np.zeros((b, cfg.num_layers, cfg.num_kv_heads), np.float32)
-        args = (cfg, self.pool_spec(), self._idle(b, t), queries, z(t), z(b), sens)
+        if key.needs_replay:
+            replayed = self._replay_scores()
+        args = (cfg, self.pool_spec(), self._idle(b, t), queries, z(t), z(b), sens, replayed)
         programs.compile(paged_select, *args, backend=self.backend, policy=key)
         if compacts:
             src = jax.eval_shape(lambda: paged_select(*args, backend=self.backend, policy=key))[0]
             g = self.scheduler.group
             programs.compile(compact, self.pool_spec(), src, z(self.rows.width), z(g), np.int32(0))
+
+    def _replay_scores(self):
+        cfg, width = self.params.config, self.rows.width * self.pool.page_size
+        shape = (SELECT_ROWS, cfg.num_layers, cfg.num_kv_heads, width)
+        return jax.ShapeDtypeStruct(shape, np.float32)
+
+    def _warm_replay(self, span: int) -> None:
+        """A piece of KVzip's replay whose scores read `span` slots (`jkv.engine.replay`)."""
+        rows, tokens, positions = pack_replay(np.zeros(self.rows.width, np.int32),
+                                              self.scheduler.group, 0, 0, [],
+                                              self.replay_chunk)  # fmt: skip
+        programs.compile(replay_piece, self.params.weights, self.params.config,
+                         self.pool_spec(), rows, tokens, positions, np.zeros(4, np.int32),
+                         self._replay_scores(), np.int32(0), backend=self.backend,
+                         dtype=self.kv_dtype, span=span)  # fmt: skip
 
     def _warm_rows(self, n: int) -> None:
         """A block-row update of `n` rows."""

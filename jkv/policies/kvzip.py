@@ -133,9 +133,26 @@ class KVzip(KVPolicy):
     def keep(self, layer_index, layer, ctx):
         if ctx.layers is None:
             raise ValueError("KVzip selects over every layer at once: compress with ctx.layers")
+        if self.layerwise:
+            return self._layer_keep(layer_index, ctx)
+        return self.keep_all(ctx)[:, layer_index]
+
+    def keep_all(self, ctx) -> jnp.ndarray:
+        """`[B, L, K, S]` bool: every layer's kept slots at once (the engine's selection)."""
+        if self.layerwise:
+            return jnp.stack([self._layer_keep(i, ctx) for i in range(len(ctx.layers))], 1)
+        scores, candidates = self._candidates(ctx)
+        b = scores.shape[0]
+        flat = scores.reshape(b, 1, -1)
+        n = scores.shape[1] * scores.shape[2]
+        chosen = top_n(flat, candidates.reshape(flat.shape), (ctx.budgets * n)[:, None])
+        return chosen.reshape(scores.shape)
+
+    def _candidates(self, ctx):
+        """(`[B, L, K, S]` scores, the sinks' infinite; the slots each head may keep: its best
+        `cap`)."""
         scores = jnp.stack([x.scores for x in ctx.layers], axis=1)  # [B, L, K, S]
         b, nl, kh, s = scores.shape
-        budget = ctx.budgets  # [B]
         valid = jnp.stack([valid_slots(x) for x in ctx.layers], axis=1)
         positions = jnp.stack([x.positions for x in ctx.layers], axis=1)
         sinks = valid & (positions < self.sink)
@@ -143,14 +160,15 @@ class KVzip(KVPolicy):
         # A head holds at most `cap` slots: only each head's best `cap` are candidates.
         cap = ctx.prompt_lengths
         if self.max_factor is not None:
-            cap = jnp.minimum(jnp.ceil(self.max_factor * budget).astype(jnp.int32), cap)
+            cap = jnp.minimum(jnp.ceil(self.max_factor * ctx.budgets).astype(jnp.int32), cap)
         candidates = top_n(
             scores.reshape(b, nl * kh, s), valid.reshape(b, nl * kh, s), cap[:, None]
         ).reshape(scores.shape)
-        if self.layerwise:
-            flat = scores[:, layer_index].reshape(b, 1, kh * s)
-            allowed = candidates[:, layer_index].reshape(flat.shape)
-            return top_n(flat, allowed, (budget * kh)[:, None]).reshape(b, kh, s)
-        flat = scores.reshape(b, 1, nl * kh * s)
-        chosen = top_n(flat, candidates.reshape(flat.shape), (budget * nl * kh)[:, None])
-        return chosen.reshape(scores.shape)[:, layer_index]
+        return scores, candidates
+
+    def _layer_keep(self, layer_index, ctx):
+        scores, candidates = self._candidates(ctx)
+        b, _, kh, s = scores.shape
+        flat = scores[:, layer_index].reshape(b, 1, kh * s)
+        allowed = candidates[:, layer_index].reshape(flat.shape)
+        return top_n(flat, allowed, (ctx.budgets * kh)[:, None]).reshape(b, kh, s)

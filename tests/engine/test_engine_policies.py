@@ -180,8 +180,6 @@ def test_policies_the_engine_does_not_serve_get_clear_errors(demo):
         engine.add_request([5, 6, 7], kv_policy="h2o", kv_budget=8)
     with pytest.raises(ValueError, match="kv_policy='snapkv_segments'.*one-shot path"):
         engine.add_request([5, 6, 7], kv_policy="snapkv_segments", kv_budget=8)
-    with pytest.raises(ValueError, match="kv_policy='kvzip': KVzip's replay.*one-shot path"):
-        engine.add_request([5, 6, 7], kv_policy="kvzip", kv_budget=8)
     with pytest.raises(ValueError, match="window=32: its observation window must run in one"):
         engine.add_request([5, 6, 7], kv_policy="snapkv", kv_budget=8)
     with pytest.raises(ValueError, match="kv_policy='snapkv' chunked=True.*one-shot path"):

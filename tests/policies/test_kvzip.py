@@ -79,19 +79,12 @@ def test_replay_scores_equal_kvpress_on_a_chat_in_pieces(tmp_path):
     the context is replayed in pieces of 32 tokens, each pass's softmax over its piece, the
     sinks and itself; every slot past the sinks scores what kvpress's KVzipPress gives it."""
     import kvpress
-    import quality_kvpress as qk
     import torch
-    from tiny_gguf import BPE_VOCAB, write_tiny_gguf
-    from tiny_hf import write_tiny_checkpoint
+    from tiny_gguf import tiny_chat_case
     from transformers import DynamicCache
 
-    src = write_tiny_checkpoint(tmp_path / "src", "llama", vocab_size=BPE_VOCAB)
-    params = jkv.load(write_tiny_gguf(tmp_path / "m.gguf", src, "llama"))
-    model, _ = qk.load_hf(jkv.export_hf(params, tmp_path / "hf"), attn_implementation="sdpa")
-    prefix, _ = chat_frame(params)
-    body = params.tokenizer.encode(" Magic numbers hide in text, 41729 among them." * 2,
-                                   add_special_tokens=False)  # fmt: skip
-    ids = prefix + body
+    params, model, prefix, ids = tiny_chat_case(tmp_path)
+    body = ids[len(prefix) :]
     assert len(prefix) > 2 and 64 < len(body) <= 128  # several pieces
     got = []
 

@@ -11,7 +11,7 @@ import pytest
 from server_harness import Running, small_engine
 
 import jkv
-from jkv.policies import SnapKV
+from jkv.policies import KVzip, SnapKV
 from jkv.serve.server import Server
 
 PROMPT = "The code for Valentin is 9 3 3 7 8 . The code for Mara is 1 2 4 4 0 ."
@@ -138,6 +138,22 @@ def test_kv_policy_takes_the_policys_fields(running, demo_params):
                     "kv_budget": 0.5},
     )  # fmt: skip
     assert again.choices[0].text == want.text
+
+
+def test_kvzip_is_served_with_the_tokens_of_the_request_alone(running, demo_params):
+    """KVzip's replay runs in the server's engine, over the request's own pages: the answer is
+    `jkv.generate`'s for the same request alone (at 20% of this prompt, keeping the most recent
+    slots answers otherwise); a field the engine does not honour is 400."""
+    prompt = PROMPT + " what is the code for Mara ?"
+    r = post(running, "/v1/completions", {"model": "jkv-demo", "prompt": prompt, "max_tokens": 8,
+                                          "temperature": 0, "kv_policy": "kvzip",
+                                          "kv_budget": 0.2})  # fmt: skip
+    assert r.status_code == 200, r.text
+    want = jkv.generate(demo_params, prompt, max_new_tokens=8, kv_policy=KVzip(budget=0.2))
+    assert r.json()["choices"][0]["text"] == want.text
+    bad = post(running, "/v1/completions", {"model": "jkv-demo", "prompt": prompt,
+                                            "kv_policy": {"name": "kvzip", "replaying": True}})  # fmt: skip
+    assert bad.status_code == 400 and "replaying=True" in bad.json()["error"]["message"], bad.text
 
 
 POLICY_ERRORS = [  # (jkv fields, param, words of the message)
