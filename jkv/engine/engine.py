@@ -435,6 +435,8 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
             except Exception as err:  # noqa: BLE001 - one failure fails one step
                 return self._recover(plan, err)
         finally:
+            if self.lockstep is not None:
+                self.lockstep.stepped()
             self._release()
 
     def _start(self, plan) -> None:

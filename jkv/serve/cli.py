@@ -134,8 +134,9 @@ def add_subcommand(sub) -> None:
     s.add_argument("--process-id", type=int, default=None,
                    help="this process's index; 0 serves HTTP (with --coordinator)")  # fmt: skip
     s.add_argument("--group-timeout", type=_seconds, default=30.0,
-                   help="seconds a silent process of the group counts as lost (one killed: "
-                   "at once); also the time the group has to start")  # fmt: skip
+                   help="seconds a silent process of the group, or one stuck in a step "
+                   "without compiling, counts as lost (one killed: at once); also the time the "
+                   "group has to start")  # fmt: skip
     s.set_defaults(serve_parser=s)  # --replicas rebuilds each replica's argv from it
 
 

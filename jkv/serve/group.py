@@ -10,15 +10,25 @@ requests added, with their settings, seeds included, and the aborts) over a TCP 
 HOST:PORT+1; each follower hands them to its own engine and steps it. The engine's host side is
 deterministic given its messages (`Engine._drain`, the scheduler: plain Python on ints), so every
 process schedules the same rows and runs the same step, as sglang-jax's nodes do; only the
-leader answers. Each step also carries a digest of the leader's previous plan: a follower whose
-own plan differs stops (never different programs in silence), and the leader then sees it gone.
+leader answers. Once the leader has planned a step, before running it, it sends the plan's
+digest (rows, token spans, page blocks, preemptions); each follower plans its own step, then
+waits for the leader's digest and compares before it runs anything: a follower whose plan
+differs exits with status 4 before entering the step's collectives (never different programs,
+and no collective left waiting on a diverged process), and the leader then sees it gone. A
+follower still schedules for itself and checks the leader's plan; it does not run the leader's
+plan without scheduling.
 
-Failures, each within a bound: every process sends the others a heartbeat each second. The
-leader counts a follower as lost when its channel closes (a killed process: at once) or it is
-silent for `--group-timeout` seconds (a hung one); then every request in flight ends with a 503
-`group_lost`, new ones and /health get 503, and the leader exits with status 3 after `DRAIN_S`
-seconds, without waiting for a step stuck in a collective with the lost process. A follower
-that loses the leader the same way exits with status 3. jax.distributed cannot take a process
+Failures, each within a bound: every process sends the others a heartbeat each second, from a
+thread of its own, which stops beating when its process is stuck in a step: in one for
+`--group-timeout` seconds without building a program (`StepWatch`: a compile is progress, so a
+cold step is not a hang; a step waiting in a collective for a hung process is). The leader
+counts a follower as lost when its channel closes (a killed process, or a follower that exited:
+at once) or it is silent for `--group-timeout` seconds (a frozen one); a follower stuck in a
+step exits with status 3; a leader stuck in one counts itself lost. Then every request in
+flight ends with a 503 `group_lost`, new ones and /health get 503, and the leader exits with
+status 3 after `DRAIN_S` seconds, without waiting for a step stuck in a collective with the lost
+process. A follower that loses the leader the same way exits with status 3. `--group-timeout`
+must exceed the slowest compile of one program (`--warmup` builds them before serving). jax.distributed cannot take a process
 back into a running group: restart the whole group (a supervisor restarting every process on
 status 3 recovers it). On SIGTERM the leader shuts down gracefully, tells the followers to stop,
 and all exit 0.
@@ -75,9 +85,50 @@ def check(coordinator, num_processes, process_id) -> tuple[str, int]:
 
 
 def digest(plan) -> int:
-    """What a step runs, in a word: its rows' request ids, first tokens and token counts."""
-    key = repr([(r.seq.request_id, r.start, r.n) for r in plan.scheduled])
+    """What a step runs, in a word: its rows' request ids, first tokens, token counts and page
+    blocks, and the requests it preempted (0: no step)."""
+    if plan is None:
+        return 0
+    rows = [(r.seq.request_id, r.start, r.n, list(r.seq.blocks)) for r in plan.scheduled]
+    key = repr((rows, [s.request_id for s in plan.preempted]))
     return zlib.crc32(key.encode())
+
+
+class StepWatch:
+    """Whether this process's engine is stuck in a step: inside one (`enter` .. `leave`) for
+    `timeout` seconds in which the process built no program. The group's processes build the
+    same programs at the same points, so a compile is progress; a collective waiting for a hung
+    process is not."""
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self._since: float | None = None
+        self._built = 0
+        self._lock = threading.Lock()
+
+    def enter(self) -> None:
+        from jkv.compile_time import programs_built
+
+        with self._lock:
+            self._since, self._built = time.monotonic(), programs_built()
+
+    def leave(self) -> None:
+        with self._lock:
+            self._since = None
+
+    def stuck(self) -> str | None:
+        """Why the step is stuck, or None."""
+        from jkv.compile_time import programs_built
+
+        with self._lock:
+            if self._since is None:
+                return None
+            now, built = time.monotonic(), programs_built()
+            if built != self._built:  # it compiled: the clock starts again
+                self._since, self._built = now, built
+            if now - self._since <= self.timeout:
+                return None
+            return f"stuck in a step for {now - self._since:.0f} s without compiling"
 
 
 class Channel:
@@ -119,9 +170,13 @@ class Channel:
             pass
 
 
-def _beat(channels, stopped: threading.Event, on_error) -> None:
-    """A heartbeat to each channel every HEARTBEAT_S until `stopped`."""
+def _beat(channels, stopped: threading.Event, on_error, watch: StepWatch, on_stuck) -> None:
+    """A heartbeat to each channel every HEARTBEAT_S until `stopped`, or until this process's
+    step is stuck (`watch`): then `on_stuck(why)` and no more beats."""
     while not stopped.wait(HEARTBEAT_S):
+        why = watch.stuck()
+        if why is not None:
+            return on_stuck(why)
         for i, ch in channels:
             try:
                 ch.send(("beat",))
@@ -143,8 +198,8 @@ class Leader:
         self.lost_reason: str | None = None
         self.on_lost = None  # called once, from a watching thread, with the reason
         self._taken: list = []
-        self._digest: int | None = None
         self._steps = 0
+        self.watch = StepWatch(timeout)
         self._stopped = threading.Event()
         self._lost_lock = threading.Lock()
         self.channels: list[tuple[int, Channel]] = []
@@ -170,8 +225,9 @@ class Leader:
             ch.send(("welcome",))
             threading.Thread(target=self._watch, args=(pid, ch), daemon=True).start()
         threading.Thread(
-            target=_beat, args=(self.channels, self._stopped, self.lost), daemon=True
-        ).start()
+            target=_beat, args=(self.channels, self._stopped, self.lost, self.watch,
+                                lambda why: self.lost(0, why)), daemon=True,
+        ).start()  # fmt: skip
         LOG.info("the group: %d processes", num_processes)
 
     # -- the engine's hooks (`Engine.lockstep`), called with its step lock held --
@@ -180,21 +236,29 @@ class Leader:
         self._taken.append((kind, body))
 
     def tick(self) -> None:
-        """Before each step: its messages and the previous plan's digest to every follower."""
+        """Before each step: its messages to every follower."""
         if self.lost_reason is not None:
             raise RuntimeError(self.lost_reason)
+        self.watch.enter()
         self._steps += 1
-        frame = ("tick", self._steps, self._taken, self._digest)
-        self._taken, self._digest = [], None
+        self._send(("tick", self._steps, self._taken))
+        self._taken = []
+
+    def planned(self, plan) -> None:
+        """The step is planned, not yet run: its digest to every follower, which checks its own
+        plan against it before running it."""
+        self._send(("plan", self._steps, digest(plan)))
+
+    def stepped(self) -> None:
+        self.watch.leave()
+
+    def _send(self, frame) -> None:
         for pid, ch in self.channels:
             try:
                 ch.send(frame)
             except OSError as err:
                 self.lost(pid, f"sending a step failed: {err}")
                 raise RuntimeError(self.lost_reason) from None
-
-    def planned(self, plan) -> None:
-        self._digest = digest(plan)
 
     # -- failures and the end --
 
@@ -236,7 +300,8 @@ class Follower:
 
     def __init__(self, host: str, port: int, process_id: int, timeout: float):
         self.timeout, self.process_id = timeout, process_id
-        self._digest: int | None = None
+        self._step = 0
+        self.watch = StepWatch(timeout)
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -256,8 +321,8 @@ class Follower:
         self._stopped = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
         threading.Thread(
-            target=_beat, args=([(0, self.channel)], self._stopped, self._leader_lost),
-            daemon=True,
+            target=_beat, args=([(0, self.channel)], self._stopped, self._leader_lost, self.watch,
+                                self._stuck), daemon=True,
         ).start()  # fmt: skip
 
     def _read(self) -> None:
@@ -279,15 +344,40 @@ class Follower:
         LOG.error("process %d: the leader is lost: %s; exiting", self.process_id, why)
         os._exit(LOST_EXIT)
 
+    def _stuck(self, why: str) -> None:
+        LOG.error("process %d: %s; exiting", self.process_id, why)
+        os._exit(LOST_EXIT)
+
     # the engine's hooks: a follower's messages come from the leader
     def taken(self, kind: str, body) -> None:
         pass
 
     def tick(self) -> None:
-        pass
+        self.watch.enter()
 
     def planned(self, plan) -> None:
-        self._digest = digest(plan)
+        """This process's plan for the step, before it runs: the leader's digest of its own
+        must equal it, else this process stops before the step's collectives."""
+        try:
+            frame = self.frames.get(timeout=self.timeout)
+        except queue.Empty:
+            LOG.error("process %d: step %d: no plan from the leader in %g s; exiting",
+                      self.process_id, self._step, self.timeout)  # fmt: skip
+            os._exit(LOST_EXIT)
+        if frame[0] == "stop":  # the group stops between the leader's tick and its plan
+            self._stopped.set()
+            LOG.info("process %d: the leader stopped the group", self.process_id)
+            os._exit(0)
+        mine = digest(plan)
+        if frame[0] != "plan" or frame[2] != mine:
+            theirs = frame[2] if frame[0] == "plan" else f"no step ({frame[0]})"
+            LOG.error("process %d: step %d's plan differs from the leader's (%s != %s); "
+                      "stopping before it runs", self.process_id, self._step, mine,
+                      theirs)  # fmt: skip
+            os._exit(DIVERGED_EXIT)
+
+    def stepped(self) -> None:
+        self.watch.leave()
 
     def serve(self, engine) -> None:
         """Steps `engine` as the leader steps its own, until the leader says stop."""
@@ -298,12 +388,12 @@ class Follower:
                 self._stopped.set()
                 LOG.info("process %d: the leader stopped the group", self.process_id)
                 return
-            _, step, messages, expected = frame
-            if expected != self._digest:
-                LOG.error("process %d: step %d's plan differs from the leader's (%s != %s); "
-                          "stopping", self.process_id, step - 1, self._digest, expected)  # fmt: skip
+            if frame[0] != "tick":  # the leader planned a step this process did not
+                LOG.error("process %d: step %d: the leader ran a step this process planned "
+                          "none for; stopping", self.process_id, self._step)  # fmt: skip
                 os._exit(DIVERGED_EXIT)
-            self._digest = None
+            _, step, messages = frame
+            self._step = step
             for kind, body in messages:
                 try:
                     if kind == "add":

@@ -4,8 +4,10 @@ the pool sharded over the 4 devices (tp 4 over the demo's 2 kv heads: each repea
 Process 0 serves HTTP; the official `openai` client's answers equal `jkv.generate` on one
 device (of the kv-head-repeated model: what tp 4 computes) for a mixed workload sent at once.
 A follower SIGKILLed under traffic: every request in flight ends with a 503 `group_lost`,
-/health answers 503, and process 0 exits with status 3 within seconds; SIGTERM stops the
-group gracefully (both exit 0). Every process started is stopped."""
+/health answers 503, and process 0 exits with status 3 within seconds; a follower whose plan
+differs stops before the step runs (status 4) and one whose step hangs is lost within
+--group-timeout, both a 503 `group_lost` to the client; SIGTERM stops the group gracefully
+(both exit 0). Every process started is stopped."""
 
 from __future__ import annotations
 
@@ -40,7 +42,10 @@ MIXED = [  # (prompt, settings): the full cache, SnapKV, StreamingLLM, one sampl
 class Group:
     """Both processes of the group; `url` the leader's."""
 
-    def __init__(self, tmp_path, *flags: str):
+    def __init__(self, tmp_path, *flags: str, follower_flags=(), follower_code=None,
+                 group_timeout="60"):  # fmt: skip
+        """`follower_flags`: process 1's own flags after the group's; `follower_code`: Python
+        run as process 1 instead of `jkv.cli` (it calls `jkv.cli.main` on its arguments)."""
         coordinator, port = free_run(2), free_run(1)
         devices = " --xla_force_host_platform_device_count=2"
         env = {**os.environ, "XLA_FLAGS": os.environ["XLA_FLAGS"] + devices, "JAX_PLATFORMS": "cpu"}
@@ -49,11 +54,13 @@ class Group:
         self.logs = [tmp_path / f"process{i}.log" for i in range(2)]
         self.procs = []
         for i, log in enumerate(self.logs):
+            run = ["-c", follower_code] if i and follower_code else ["-m", "jkv.cli"]
+            own = list(follower_flags) if i else []
             with open(log, "w") as out:
                 self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "jkv.cli", "serve", "demo", "--port", str(port + i),
+                    [sys.executable, *run, "serve", "demo", "--port", str(port + i),
                      "--coordinator", f"127.0.0.1:{coordinator}", "--num-processes", "2",
-                     "--process-id", str(i), "--group-timeout", "60", *flags],
+                     "--process-id", str(i), "--group-timeout", group_timeout, *flags, *own],
                     env=env, stdout=out, stderr=subprocess.STDOUT,
                 ))  # fmt: skip
         self.url = f"http://127.0.0.1:{port}"
@@ -174,6 +181,79 @@ def test_a_killed_follower_ends_requests_with_503_and_the_group_exits(tmp_path):
             pass
         assert g.procs[0].wait(30) == group.LOST_EXIT, g.output()
         assert time.monotonic() - killed < group.DRAIN_S + 30
+    finally:
+        g.close()
+
+
+def _lost_within(g, client, bound: float) -> float:
+    """A request sent now ends with a 503 `group_lost` (or the leader is gone) within `bound`
+    seconds; returns the seconds it took."""
+    sent = time.monotonic()
+    try:
+        with pytest.raises(openai.APIStatusError) as lost:
+            client.completions.create(model="jkv-demo", prompt=LONG, max_tokens=4,
+                                      temperature=0.0, timeout=bound + 30)  # fmt: skip
+        assert lost.value.status_code == 503, lost.value
+        assert lost.value.body["code"] == "group_lost", lost.value.body
+    except openai.APIConnectionError:  # the leader exited before answering
+        pass
+    took = time.monotonic() - sent
+    assert took < bound, (took, g.output())
+    return took
+
+
+LONG = " ".join(["the old farmer saw the red horse"] * 4)  # more tokens than a chunk of 8
+
+
+def test_a_follower_whose_plan_differs_stops_before_the_step_runs(tmp_path):
+    """Process 1 started with another prefill chunk (8 tokens, the leader's 128): its first
+    plan for a long prompt differs. It exits with status 4 before running the step (no
+    collective left waiting on it), and the request ends with a 503 `group_lost` within
+    DRAIN_S + a few seconds; the leader exits with status 3."""
+    g = Group(tmp_path, "--no-response-cache", follower_flags=("--chunk", "8"))
+    try:
+        _lost_within(g, g.client(), group.DRAIN_S + 20)
+        assert g.procs[1].wait(30) == group.DIVERGED_EXIT, g.output()
+        assert "plan differs from the leader's" in g.output()
+        assert "stopping before it runs" in g.output()
+        assert g.procs[0].wait(30) == group.LOST_EXIT, g.output()
+    finally:
+        g.close()
+
+
+HANGS = """
+import os, sys, threading
+from jkv.engine.engine import Engine
+run = Engine._run_step
+def hang(self, plan):  # once the test's file exists, a step never returns (the GIL free)
+    if os.path.exists(os.environ["JKV_TEST_HANG"]):
+        threading.Event().wait()
+    return run(self, plan)
+Engine._run_step = hang
+from jkv.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_follower_stuck_in_a_step_is_lost_within_the_group_timeout(tmp_path, monkeypatch):
+    """Process 1's step hangs (a patched step that waits forever once a file appears) while its
+    heartbeat thread runs on: the step watch stops its beats, so it is lost within
+    --group-timeout (15 s) + DRAIN_S: the request ends with a 503 `group_lost` and both exit
+    with status 3 (before, a process stuck in a step kept beating and was never lost)."""
+    flag = tmp_path / "hang"
+    monkeypatch.setenv("JKV_TEST_HANG", str(flag))
+    g = Group(tmp_path, "--no-response-cache", follower_code=HANGS, group_timeout="15")
+    try:
+        client = g.client()
+        done = client.completions.create(
+            model="jkv-demo", prompt=LONG, max_tokens=4, temperature=0.0
+        )  # compiled: the steps are quick now
+        assert done.choices[0].text
+        flag.touch()
+        _lost_within(g, client, 15 + group.DRAIN_S + 20)
+        assert g.procs[1].wait(30) == group.LOST_EXIT, g.output()
+        assert "stuck in a step" in g.output()
+        assert g.procs[0].wait(30) == group.LOST_EXIT, g.output()
     finally:
         g.close()
 
