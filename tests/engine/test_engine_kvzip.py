@@ -7,8 +7,6 @@ alone, in a batch beside other requests, with warmup compiling everything first.
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,20 +15,6 @@ import jkv
 from jkv.compile_time import programs_built
 from jkv.engine.engine import Engine
 from jkv.policies import KVzip, SnapKV
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-
-@pytest.fixture(scope="module")
-def demo_hf(tmp_path_factory):
-    """(jkv params of a random demo-vocabulary Llama with a tokenizer, its HF model)."""
-    import quality
-    import quality_kvpress as qk
-
-    params, _ = quality.load_model("random")
-    folder = jkv.export_hf(params, tmp_path_factory.mktemp("kvzip") / "hf")
-    model, _ = qk.load_hf(folder, attn_implementation="sdpa")
-    return params, model
 
 
 def kvpress_scores(model, ids, **press):
