@@ -169,7 +169,8 @@ LAYERS = {
 
 
 ENGINE_ARRAY_FILES = ("runner.py", "ragged.py", "engine.py", "warmup.py", "recovery.py",
-                      "policy_steps.py", "select.py", "programs.py", "pool_size.py")  # fmt: skip
+                      "policy_steps.py", "select.py", "replay.py", "programs.py",
+                      "pool_size.py")  # fmt: skip
 
 
 def test_the_engines_bookkeeping_is_plain_python():
