@@ -49,6 +49,8 @@ import threading
 import time
 import zlib
 
+from jkv.compile_time import programs_built
+
 LOG = logging.getLogger("jkv.serve")
 HEARTBEAT_S = 1.0
 DRAIN_S = 3.0  # after a process is lost: for the 503s to reach their clients before the exit
@@ -107,8 +109,6 @@ class StepWatch:
         self._lock = threading.Lock()
 
     def enter(self) -> None:
-        from jkv.compile_time import programs_built
-
         with self._lock:
             self._since, self._built = time.monotonic(), programs_built()
 
@@ -118,8 +118,6 @@ class StepWatch:
 
     def stuck(self) -> str | None:
         """Why the step is stuck, or None."""
-        from jkv.compile_time import programs_built
-
         with self._lock:
             if self._since is None:
                 return None

@@ -2,7 +2,8 @@
 each, no jax.distributed: the leader's engine here, a follower's in a subprocess. The follower,
 told only the leader's messages, takes the same steps and samples the same tokens (the
 lockstep's premise: the engine's host side is deterministic given its messages); a follower
-told a plan digest that is not its own exits with status 4; one whose leader closes the
+whose plan differs from the digest the leader sends before running its step exits with status
+4 before running it; one whose leader closes the
 channel, or falls silent past the timeout, exits with status 3; a leader counts a follower
 that is killed (at once) or stopped (past the timeout) as lost. Seconds each."""
 
@@ -21,6 +22,7 @@ import pytest
 from replicas_harness import free_run
 
 from jkv.engine.engine import Engine
+from jkv.engine.scheduler import StepPlan
 from jkv.serve import group
 
 SETTINGS = dict(num_pages=256, max_running=4, token_budget=32, chunk=16)
@@ -114,14 +116,26 @@ def test_a_follower_takes_the_leaders_steps(demo_params, lost):
         assert not lost
 
 
-def test_a_follower_whose_plan_differs_exits(lost):
+@pytest.mark.parametrize("case", ["another plan", "no step"])
+def test_a_follower_whose_plan_differs_exits_before_running_it(lost, case):
+    """The leader sends its plan's digest once planned, before running the step: a follower
+    whose own plan differs (the leader claims an empty step where the follower schedules the
+    request it was told of) exits with status 4 before running its step, as does one that
+    planned no step where the leader ran one."""
     port = free_run(1)
     with _follower(port) as proc:
         leader = _leader(port, lost)
-        leader.planned(type("Plan", (), {"scheduled": []})())  # a plan the follower never made
+        if case == "another plan":
+            leader.taken("add", dict(prompt=[5, 6, 7, 8, 9], request_id="r", max_new_tokens=3))
         leader.tick()
+        leader.planned(StepPlan([], []))
         assert proc.wait(120) == group.DIVERGED_EXIT, proc.stdout.read()
-        assert "plan differs from the leader's" in proc.stdout.read()
+        said = proc.stdout.read()
+        if case == "another plan":
+            assert "step 1's plan differs from the leader's" in said, said
+            assert "stopping before it runs" in said, said
+        else:
+            assert "the leader ran a step this process planned none for" in said, said
         assert _wait(lambda: leader.lost_reason is not None, 10)  # then it is lost to the leader
 
 
