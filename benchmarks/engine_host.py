@@ -56,7 +56,8 @@ def packed(plan, tables, group, chunk=2048):
     if NEW:
         from jkv.engine.ragged import pack_ragged
 
-        return pack_ragged(plan.scheduled, tables, group, PAGE, most=chunk)
+        rows = [getattr(s, "row", s) for s in plan.scheduled]  # plain rows (engine core v3)
+        return pack_ragged(rows, tables, group, PAGE, most=chunk)
     return runner.pack(plan.scheduled, LAYERS, KV_HEADS, PAGE, chunk)
 
 

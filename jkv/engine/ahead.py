@@ -55,9 +55,10 @@ class AsyncSteps:
         placeholders (rows that reach max_tokens finish now: that needs no token's value)."""
         self._start(plan)
         scheduled = order(plan.scheduled)
-        # before booking: a row's `samples` changes once its placeholder is appended
+        # the rows that sample, as planned (a row's plan is plain data: booking changes none)
         samplers = {r.seq.request_id: i for i, r in enumerate(scheduled) if r.samples}
         tok = self._dispatch_flat(scheduled)
+        self._last_samplers = samplers  # the next plan's placeholders: these rows of `tok`
         cached = {r.seq.request_id: r.seq.num_cached for r in scheduled}
         held = {r.seq.request_id: r.seq.pages for r in scheduled}
         booked = self.scheduler.finish_step(plan, dict.fromkeys(samplers, PLACEHOLDER))

@@ -179,6 +179,7 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
         self.async_scheduling = bool(async_scheduling)
         self._pending: Ahead | None = None
         self._last_tok = jnp.zeros(bucket(max_running), jnp.int32)  # as a step's output is
+        self._last_samplers: dict[str, int] = {}  # request id -> its row of `_last_tok`
         self.eos_ids = tuple(sorted(set(cfg.eos_token_ids)))
         self._rows: dict[str, Row] = {}
         self._ids = itertools.count()
@@ -514,25 +515,29 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
         reqs = [self._rows[r.seq.request_id].req for r in scheduled]
         reqs += [reqs[0]] * (b - len(scheduled))  # padding rows sample and are ignored
         index = np.zeros((b,), np.int32)
-        index[: len(scheduled)] = [len(r.seq.output) for r in scheduled]
+        index[: len(scheduled)] = [r.row.sampled for r in scheduled]
         return SamplingArrays.build([q.sampling for q in reqs], [q.seed for q in reqs]), index
 
     def _run_flat(self, scheduled) -> dict[str, int]:
         """The step's rows, in one flattened step over the pool."""
         tok = to_host(self._dispatch_flat(scheduled))
+        self._last_samplers = {}  # read back now: no plan waits for these tokens
         return {r.seq.request_id: int(tok[i]) for i, r in enumerate(scheduled) if r.samples}
 
     def _dispatch_flat(self, scheduled):
         """Dispatches the flattened step over `scheduled` (in `order`); its `[P]` sampled
-        tokens on the device. A placeholder among the inputs is the dispatched step's token."""
+        tokens on the device. A placeholder among the inputs (a token not read back when the
+        step was planned) is the last dispatched step's, taken from its output on the device
+        (`_last_tok`), read back since or not."""
         sched = self.scheduler
         most = most_tokens(bucket(len(scheduled)), sched.token_budget, sched.chunk)
+        plan_rows = [r.row for r in scheduled]
         rows, tokens, positions = pack_ragged(
-            scheduled, self.rows, sched.group, self.pool.page_size, most, self.attention_mass
+            plan_rows, self.rows, sched.group, self.pool.page_size, most, self.attention_mass
         )
         from_last = np.full(len(tokens), -1, np.int32)
         for t in np.flatnonzero(tokens == PLACEHOLDER):
-            from_last[t] = self._pending.samplers[scheduled[rows.tok_row[t]].seq.request_id]
+            from_last[t] = self._last_samplers[plan_rows[rows.tok_row[t]].request_id]
         sampling, index = self._sampling(scheduled, len(rows.q_len))
         self._last_tok, self.device = ragged_step(
             self.params.weights, self.params.config, self.device, rows, tokens, positions,

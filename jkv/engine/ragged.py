@@ -94,7 +94,7 @@ def ragged_step(
 def order(scheduled):
     """Decode rows first, longest first (the XLA path takes them in tiles of similar lengths),
     then prefill chunks."""
-    return sorted(scheduled, key=lambda r: (r.n != 1, -r.seq.num_computed if r.n == 1 else 0))
+    return sorted(scheduled, key=lambda r: (r.n != 1, -r.row.computed if r.n == 1 else 0))
 
 
 def token_buckets(rows: int, most: int) -> list[int]:
@@ -116,15 +116,16 @@ def token_bucket(t: int, rows: int, most: int) -> int:
     return next(s for s in token_buckets(rows, max(most, bucket(t))) if s >= t)
 
 
-def pack_ragged(scheduled, row_tables: RowTables, group: int, page: int, most: int,
+def pack_ragged(plan_rows, row_tables: RowTables, group: int, page: int, most: int,
                 mass: bool = False):  # fmt: skip
-    """Host arrays for `ragged_step` from rows in `order`: (`PagedRows`, tokens `[T]`,
-    positions `[T]`), rows padded to a power of two, tokens to `token_bucket` (`most`: the
-    largest step's tokens). `mass`: the pool keeps H2O's attention mass (the step's `MassRows`
-    are there whether or not it holds H2O's rows)."""
-    b = bucket(len(scheduled))
-    t = token_bucket(sum(r.n for r in scheduled), b, most)
-    slots = [row_tables.sync(r.seq) for r in scheduled]
+    """Host arrays for `ragged_step` from a step's plain rows (`jkv.engine.plan.RowPlan`) in
+    `order`: (`PagedRows`, tokens `[T]`, positions `[T]`), rows padded to a power of two, tokens
+    to `token_bucket` (`most`: the largest step's tokens). Reads nothing but the rows (and
+    brings their page-table rows up to date). `mass`: the pool keeps H2O's attention mass (the
+    step's `MassRows` are there whether or not it holds H2O's rows)."""
+    b = bucket(len(plan_rows))
+    t = token_bucket(sum(r.n for r in plan_rows), b, most)
+    slots = [row_tables.sync(r) for r in plan_rows]
     tables = np.zeros((b, row_tables.width), np.int32)
     tables[: len(slots)] = row_tables.table[slots]
     base = np.zeros((b, group), np.int32)
@@ -136,33 +137,24 @@ def pack_ragged(scheduled, row_tables: RowTables, group: int, page: int, most: i
     on, evict, importance = np.zeros(b, bool), np.zeros(b, bool), np.zeros(b, bool)
     limit, recent, protect = np.ones(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
     at = 0
-    for i, r in enumerate(scheduled):
-        seq, n = r.seq, r.n
-        first = seq.n_prefix * page + seq.tail  # the first new token's tail slot
-        if seq.compressed:
-            base[i], n_prefix[i] = seq.base, seq.n_prefix
-        held[i] = seq.tail + n
-        if seq.raw_sink is not None:
-            raw[i], sink[i] = True, seq.raw_sink
-        if seq.mass_rule is not None:  # H2O: its queries add mass
+    for i, r in enumerate(plan_rows):
+        n = r.n
+        base[i], n_prefix[i], held[i] = r.base, r.n_prefix, r.held
+        if r.raw_sink is not None:
+            raw[i], sink[i], shift[i] = True, r.raw_sink, r.shift
+        if r.mass_rule is not None:  # H2O: its queries add mass
             on[i] = True
-            recent[i], protect[i], importance[i] = seq.mass_rule
-        if seq.ring and seq.raw_sink is not None:  # one token into StreamingLLM's ring
-            first, count, shift[i] = seq.ring_write(r.start)
-            base[i], held[i] = count, 0
-        elif seq.ring:  # H2O's: the next free slot, or (full) each head's lightest, on device
-            before = min(seq.base[0] + seq.tail, seq.limit)
-            evict[i], limit[i] = before >= seq.limit, seq.limit
-            first, base[i], held[i] = before, min(before + 1, seq.limit), 0
+            recent[i], protect[i], importance[i] = r.mass_rule
+        evict[i], limit[i] = r.evict, r.limit
         q_start[i], q_len[i] = at, n
-        tokens[at : at + n] = seq.token_slice(r.start, n)
+        tokens[at : at + n] = r.tokens
         positions[at : at + n] = np.arange(r.start, r.start + n)
         tok_row[at : at + n] = i
-        tok_slot[at : at + n] = np.arange(first, first + n)
+        tok_slot[at : at + n] = np.arange(r.first, r.first + n)
         at += n
-    num_decode = sum(1 for r in scheduled if r.n == 1)
+    num_decode = sum(1 for r in plan_rows if r.n == 1)
     heavy = MassRows(on, evict, limit, recent, protect, importance) if mass else None
     rows = PagedRows(tables, base, n_prefix, held, q_start, q_len, tok_row, tok_slot,
-                     np.int32(num_decode), np.int32(len(scheduled)), raw, sink, shift,
+                     np.int32(num_decode), np.int32(len(plan_rows)), raw, sink, shift,
                      heavy)  # fmt: skip
     return rows, tokens, positions

@@ -191,7 +191,8 @@ class RowTables:
         return self.table.shape[1]
 
     def sync(self, seq) -> int:
-        """`seq`'s row, brought up to date. Returns the row."""
+        """`seq`'s row (a `Sequence` or a step's `RowPlan`: its request id, blocks and epoch),
+        brought up to date. Returns the row."""
         rid, blocks = seq.request_id, seq.blocks
         if len(blocks) > self.width:
             raise ValueError(f"{len(blocks)} blocks: the table holds {self.width} per row")

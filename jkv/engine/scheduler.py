@@ -16,6 +16,7 @@ import itertools
 from collections import deque
 
 from jkv.engine.page_pool import OutOfPages, PagePool, block_hashes
+from jkv.engine.plan import RowPlan, row_plan
 from jkv.engine.sequence import EPOCHS, Sequence, Status
 
 ADMISSIONS = ("reserve", "optimistic")
@@ -24,15 +25,18 @@ ADMISSIONS = ("reserve", "optimistic")
 @dataclasses.dataclass
 class Scheduled:
     """One sequence's share of a step: tokens `start .. start + n` of `seq.tokens` are computed;
-    `samples` when they reach the end of its known tokens (the step's logits give the next one)."""
+    `samples` when they reach the end of its known tokens (the step's logits give the next one).
+    `row`: the same, as plain data fixed when planned (what the runner packs); `seq`: the live
+    sequence, for the engine's and the scheduler's bookkeeping once the step has run."""
 
     seq: Sequence
     start: int
     n: int
+    row: RowPlan
 
     @property
     def samples(self) -> bool:
-        return self.start + self.n == self.seq.num_tokens
+        return self.row.samples
 
 
 @dataclasses.dataclass
@@ -260,7 +264,7 @@ class Scheduler:
                     break
             if seq.status is not Status.RUNNING:
                 break  # it preempted itself: everything after it is gone too
-            out.append(Scheduled(seq, seq.num_computed, n))
+            out.append(self._scheduled(seq, n))
             budget -= n
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
@@ -282,9 +286,13 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
-            out.append(Scheduled(seq, seq.num_computed, n))
+            out.append(self._scheduled(seq, n))
             budget -= n
         return StepPlan(out, preempted)
+
+    def _scheduled(self, seq: Sequence, n: int) -> Scheduled:
+        start = seq.num_computed
+        return Scheduled(seq, start, n, row_plan(seq, start, n, self.pool.page_size))
 
     def finish_step(self, plan: StepPlan, sampled: dict[str, int]) -> list[Sequence]:
         """Records a step the model ran: the scheduled tokens are in the pages, and each

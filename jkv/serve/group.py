@@ -87,12 +87,11 @@ def check(coordinator, num_processes, process_id) -> tuple[str, int]:
 
 
 def digest(plan) -> int:
-    """What a step runs, in a word: its rows' request ids, first tokens, token counts and page
-    blocks, and the requests it preempted (0: no step)."""
+    """What a step runs, in a word: its plain rows (`jkv.engine.plan.RowPlan`: request ids,
+    tokens, page blocks, slots), and the requests it preempted (0: no step)."""
     if plan is None:
         return 0
-    rows = [(r.seq.request_id, r.start, r.n, list(r.seq.blocks)) for r in plan.scheduled]
-    key = repr((rows, [s.request_id for s in plan.preempted]))
+    key = repr(([r.row for r in plan.scheduled], [s.request_id for s in plan.preempted]))
     return zlib.crc32(key.encode())
 
 

@@ -88,7 +88,7 @@ def _decode_workload(num_layers: int, num_kv_heads: int):
     while sched.has_work:
         plan = sched.schedule()
         before = tables.table.copy()
-        pack_ragged(plan.scheduled, tables, group, 16, most=1024)
+        pack_ragged([s.row for s in plan.scheduled], tables, group, 16, most=1024)
         written += int((before != tables.table).sum())
         sched.finish_step(plan, {s.seq.request_id: 7 for s in plan.scheduled if s.samples})
         tables.keep_only({s.request_id for s in sched.running})

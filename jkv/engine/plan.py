@@ -1,0 +1,63 @@
+"""A step's plan as plain data: what the runner needs of each scheduled row, fixed when the
+scheduler plans the step (`Scheduler.schedule`), so that packing the step's arrays
+(`jkv.engine.ragged.pack_ragged`) reads no live `Sequence` and changes none. The host goes on
+with the sequences while the device runs the step (async scheduling books placeholders,
+a read-back ends a request), and none of that reaches a plan already made.
+
+A row's layout in its page-table row (the prefix+tail layout of a compressed prompt, the ring of
+StreamingLLM or H2O) is worked out here, once: `row_plan` is where a StreamingLLM token takes its
+slot in the ring (`Sequence.ring_write`), as the scheduler plans the step that writes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class RowPlan:
+    """One scheduled row of a step, as the runner packs it."""
+
+    request_id: str
+    epoch: int  # the sequence's block list's generation (`RowTables.sync`)
+    blocks: tuple[int, ...]  # its page table: block ids
+    start: int  # the text position of its first token this step
+    tokens: tuple[int, ...]  # the token ids it computes (a placeholder: one not read back yet)
+    samples: bool  # the step's logits give its next token
+    computed: int  # tokens it had computed before the step (decode rows run longest first)
+    sampled: int  # tokens it had sampled before the step (its sampling index)
+    first: int  # the slot of its first new token in each head's row
+    held: int  # slots each head attends over past `base` (prefix) after the step
+    base: tuple[int, ...] | int = 0  # a compressed prompt's kept tokens per head, or a ring's
+    n_prefix: int = 0  # a compressed prompt's leading blocks
+    raw_sink: int | None = None  # keys stored before RoPE (StreamingLLM): its sinks
+    shift: int = 0  # StreamingLLM: the rank shift of the ring's window
+    mass_rule: tuple[int, int, bool] | None = None  # H2O's (recent, protect, importance)
+    evict: bool = False  # H2O's ring is full: each head's lightest slot takes the token
+    limit: int = 1  # H2O's ring's slots
+
+    @property
+    def n(self) -> int:
+        return len(self.tokens)
+
+
+def row_plan(seq, start: int, n: int, page: int) -> RowPlan:
+    """The plain row of `seq` computing its tokens `start .. start + n` (advancing a
+    StreamingLLM ring by the token it writes)."""
+    first = seq.n_prefix * page + seq.tail  # the first new token's tail slot
+    base, n_prefix = (tuple(seq.base), seq.n_prefix) if seq.compressed else (0, 0)
+    held, shift, evict, limit = seq.tail + n, 0, False, 1
+    if seq.ring and seq.raw_sink is not None:  # one token into StreamingLLM's ring
+        first, base, shift = seq.ring_write(start)
+        held = 0
+    elif seq.ring:  # H2O's: the next free slot, or (full) each head's lightest, on device
+        before = min(seq.base[0] + seq.tail, seq.limit)
+        evict, limit = before >= seq.limit, seq.limit
+        first, base, held = before, min(before + 1, seq.limit), 0
+    return RowPlan(
+        request_id=seq.request_id, epoch=seq.epoch, blocks=tuple(seq.blocks), start=start,
+        tokens=tuple(seq.token_slice(start, n)), samples=start + n == seq.num_tokens,
+        computed=seq.num_computed, sampled=len(seq.output), first=first, held=held, base=base,
+        n_prefix=n_prefix, raw_sink=seq.raw_sink, shift=shift, mass_rule=seq.mass_rule,
+        evict=evict, limit=limit,
+    )  # fmt: skip
