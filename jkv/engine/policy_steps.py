@@ -19,7 +19,7 @@ from jkv.engine.select import (
     window_queries,
 )
 from jkv.engine.sequence import Status
-from jkv.policies.base import KVPolicy
+from jkv.policies import POLICIES
 from jkv.policies.efficache import head_sensitivity
 from jkv.sharding import to_host
 
@@ -37,8 +37,11 @@ def sensitivity_bucket(n: int, max_len: int) -> int:
     return next(s for s in sensitivity_buckets(max(max_len, n)) if s >= n)
 
 
-# The policies `jkv.Engine` serves (the segment rebuild runs on the one-shot path).
-SERVED = "snapkv, pyramidkv, adakv, efficache, quantile, streaming, h2o, kvzip"
+def served() -> list[str]:
+    """The policies `jkv.Engine` serves, by name (`KVPolicy.served`: those that select once,
+    and the rings StreamingLLM and H2O; not the segment rebuild, which runs on the one-shot
+    path)."""
+    return sorted(n for n, cls in POLICIES.items() if cls is not None and cls.served)
 
 
 class PolicySteps:
@@ -46,7 +49,7 @@ class PolicySteps:
 
     def served_policies(self) -> list[str]:
         """The KV policies (by name) this engine serves: H2O only with the attention mass."""
-        return [n for n in SERVED.split(", ") if n != "h2o" or self.attention_mass]
+        return [n for n in served() if not POLICIES[n].wants_mass or self.attention_mass]
 
     def _check_policy(self, policy) -> None:
         """The policies the engine serves: all but the segment rebuild (H2O only with the
@@ -59,10 +62,10 @@ class PolicySteps:
                 "keep: build it with jkv.Engine(..., attention_mass=True) (a float32 per stored "
                 "token)"
             )
-        if type(policy).rebuild is not KVPolicy.rebuild:
+        if not policy.served:
             raise ValueError(
-                f"kv_policy={policy.name!r}: the segment rebuild runs on the one-shot path "
-                f"(jkv.generate) only; the engine serves {SERVED}"
+                f"kv_policy={policy.name!r} runs on the one-shot path (jkv.generate) only; the "
+                f"engine serves {', '.join(served())}"
             )
         if getattr(policy, "chunked", False):  # it was accepted and ignored
             raise ValueError(

@@ -2,13 +2,18 @@
 
 Pass one to `jkv.generate(..., kv_policy=SnapKV(budget=256))` or by name
 (`kv_policy="snapkv", kv_budget=256`). Names: full, streaming, snapkv, snapkv_segments, h2o,
-pyramidkv, adakv, efficache, quantile, kvzip.
+pyramidkv, adakv, efficache, quantile, kvzip, and any other policy class that names itself
+(`KVPolicy.__init_subclass__`: every module of this package is imported, so a new policy is one
+file here).
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+
 from jkv.policies.adakv import AdaKV
-from jkv.policies.base import KVPolicy
+from jkv.policies.base import REGISTRY, KVPolicy
 from jkv.policies.efficache import EffiCache
 from jkv.policies.h2o import H2O
 from jkv.policies.importance import token_importance
@@ -19,18 +24,16 @@ from jkv.policies.segments import SnapKVSegments, segment_report
 from jkv.policies.snapkv import SnapKV
 from jkv.policies.streaming import StreamingLLM
 
-POLICIES: dict[str, type[KVPolicy] | None] = {
-    "full": None,
-    "streaming": StreamingLLM,
-    "snapkv": SnapKV,
-    "snapkv_segments": SnapKVSegments,
-    "h2o": H2O,
-    "pyramidkv": PyramidKV,
-    "adakv": AdaKV,
-    "efficache": EffiCache,
-    "quantile": Quantile,
-    "kvzip": KVzip,
-}
+
+def _discover() -> None:
+    """Imports every module of this package: each policy class in one registers itself by its
+    `name` (`KVPolicy.__init_subclass__`), so a new file here is a new policy."""
+    for module in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{module.name}")
+
+
+_discover()
+POLICIES: dict[str, type[KVPolicy] | None] = REGISTRY  # live: a policy defined later joins it
 
 
 def resolve(kv_policy, kv_budget=None) -> KVPolicy | None:
@@ -57,13 +60,7 @@ def resolve(kv_policy, kv_budget=None) -> KVPolicy | None:
             f"kv_policy={kv_policy!r} is unknown; expected a KVPolicy or one of {sorted(POLICIES)}"
         )
     cls = POLICIES[kv_policy]
-    if kv_budget is None:
-        return cls()
-    if cls is Quantile:
-        if not isinstance(kv_budget, float) or not 0 < kv_budget <= 1:
-            raise ValueError(f"kv_budget={kv_budget!r}: quantile keeps a fraction in (0, 1]")
-        return Quantile(q=1.0 - kv_budget)
-    return cls(budget=kv_budget)
+    return cls() if kv_budget is None else cls.from_budget(kv_budget)
 
 
 __all__ = [

@@ -61,6 +61,10 @@ class Context:
     layers: tuple | None = None  # every layer's LayerKV (KVzip ranks all layers together)
 
 
+# name -> policy class (None: the full cache), as each policy's module defines it
+REGISTRY: dict[str, type | None] = {"full": None}
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KVPolicy:
     """Base: keeps everything; subclasses override what they change."""
@@ -73,6 +77,28 @@ class KVPolicy:
     needs_replay: ClassVar[bool] = False  # KVzip: scored by replaying the context (jkv.replay)
     keeps_by_key_norms: ClassVar[bool] = False  # Quantile: its scores are the keys' norms
     raw_keys: ClassVar[bool] = False  # keys stored before RoPE, rotated by `cache_positions`
+    # jkv.Engine serves it: by default a policy that selects once (`keep`), neither evicting
+    # while decoding nor rebuilding; the engine's rings (StreamingLLM, H2O) set it themselves
+    served: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs):
+        """A subclass naming itself (`name`) is a policy by that name (`jkv.policies.POLICIES`,
+        `kv_policy="<name>"`): one file under jkv/policies/ is a plugin."""
+        super().__init_subclass__(**kwargs)
+        if "served" not in cls.__dict__:
+            cls.served = not cls.evicts and cls.rebuild is KVPolicy.rebuild
+        if "name" in cls.__dict__:
+            taken = REGISTRY.get(cls.name)
+            if cls.name == "full" or (taken is not None and taken.__qualname__ != cls.__qualname__):
+                raise ValueError(
+                    f"KV policy name {cls.name!r}: taken by {taken.__qualname__ if taken else 'the full cache'}"
+                )
+            REGISTRY[cls.name] = cls
+
+    @classmethod
+    def from_budget(cls, kv_budget) -> KVPolicy:
+        """The policy with its defaults and `kv_budget` (`kv_policy="<name>", kv_budget=...`)."""
+        return cls(budget=kv_budget)
 
     budget: int | float | None = None
 

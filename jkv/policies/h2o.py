@@ -23,6 +23,7 @@ class H2O(KVPolicy):
     """`budget` tokens: the `recent` newest + the heaviest hitters by accumulated attention."""
 
     name: ClassVar[str] = "h2o"
+    served: ClassVar[bool] = True  # the engine's ring (`lightest_slots` on the device)
     wants_mass: ClassVar[bool] = True
     observes: ClassVar[bool] = True
     evicts: ClassVar[bool] = True

@@ -48,6 +48,13 @@ class Quantile(KVPolicy):
         object.__setattr__(self, "budget", 1.0 - float(self.q) if self.q > 0 else None)
         super().__post_init__()
 
+    @classmethod
+    def from_budget(cls, kv_budget) -> Quantile:
+        """`kv_budget`: the kept fraction (1 - q)."""
+        if not isinstance(kv_budget, float) or not 0 < kv_budget <= 1:
+            raise ValueError(f"kv_budget={kv_budget!r}: quantile keeps a fraction in (0, 1]")
+        return cls(q=1.0 - kv_budget)
+
     def jit_key(self):
         key = super().jit_key()
         object.__setattr__(key, "q", 0.0)  # q only sets the budget, which is per-row data

@@ -30,6 +30,7 @@ class StreamingLLM(KVPolicy):
     """Keeps `sink` attention sinks and a window of recent tokens; `budget` is their total."""
 
     name: ClassVar[str] = "streaming"
+    served: ClassVar[bool] = True  # the engine's ring (its slot rule, `Sequence.ring_write`)
     evicts: ClassVar[bool] = True
     raw_keys: ClassVar[bool] = True
 
