@@ -20,17 +20,17 @@ plan without scheduling.
 
 Failures, each within a bound: every process sends the others a heartbeat each second, from a
 thread of its own, which stops beating when its process is stuck in a step: in one for
-`--group-timeout` seconds without building a program (`StepWatch`: a compile is progress, so a
-cold step is not a hang; a step waiting in a collective for a hung process is). The leader
-counts a follower as lost when its channel closes (a killed process, or a follower that exited:
-at once) or it is silent for `--group-timeout` seconds (a frozen one); a follower stuck in a
-step exits with status 3; a leader stuck in one counts itself lost. Then every request in
-flight ends with a 503 `group_lost`, new ones and /health get 503, and the leader exits with
-status 3 after `DRAIN_S` seconds, without waiting for a step stuck in a collective with the lost
-process. A follower that loses the leader the same way exits with status 3. `--group-timeout`
-must exceed the slowest compile of one program (`--warmup` builds them before serving). jax.distributed cannot take a process
-back into a running group: restart the whole group (a supervisor restarting every process on
-status 3 recovers it). On SIGTERM the leader shuts down gracefully, tells the followers to stop,
+`--group-timeout` seconds without building a program (`StepWatch`: a compile is progress, one
+finished or one under way in the stepping thread, so a cold step is not a hang however long
+its compile; a step waiting in a collective for a hung process is). The leader counts a
+follower as lost when its channel closes (a killed process, or a follower that exited: at once)
+or it is silent for `--group-timeout` seconds (a frozen one); a follower stuck in a step exits
+with status 3; a leader stuck in one counts itself lost. Then every request in flight ends with
+a 503 `group_lost`, new ones and /health get 503, and the leader exits with status 3 after
+`DRAIN_S` seconds, without waiting for a step stuck in a collective with the lost process. A
+follower that loses the leader the same way exits with status 3. jax.distributed cannot take a
+process back into a running group: restart the whole group (a supervisor restarting every
+process on status 3 recovers it). On SIGTERM the leader shuts down gracefully, tells the followers to stop,
 and all exit 0.
 
 The channel carries pickles: it must join only the group's own processes (a private network,
@@ -45,6 +45,7 @@ import pickle
 import queue
 import socket
 import struct
+import sys
 import threading
 import time
 import zlib
@@ -95,21 +96,45 @@ def digest(plan) -> int:
     return zlib.crc32(key.encode())
 
 
+# Where a thread is while JAX builds a program: tracing, lowering, XLA compiling.
+_BUILDING = tuple(
+    os.path.join("jax", "_src", *parts)
+    for parts in (
+        ("compiler.py",),
+        ("interpreters", "partial_eval.py"),
+        ("interpreters", "mlir.py"),
+    )
+)
+
+
+def building(thread_id: int) -> bool:
+    """Whether the thread `thread_id` is inside JAX building a program, now (its stack)."""
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(_BUILDING):
+            return True
+        frame = frame.f_back
+    return False
+
+
 class StepWatch:
     """Whether this process's engine is stuck in a step: inside one (`enter` .. `leave`) for
-    `timeout` seconds in which the process built no program. The group's processes build the
-    same programs at the same points, so a compile is progress; a collective waiting for a hung
+    `timeout` seconds in which the process built no program and its stepping thread was never
+    seen building one. The group's processes build the same programs at the same points, so a
+    compile, however long one program takes, is progress; a collective waiting for a hung
     process is not."""
 
     def __init__(self, timeout: float):
         self.timeout = timeout
         self._since: float | None = None
         self._built = 0
+        self._thread = 0
         self._lock = threading.Lock()
 
     def enter(self) -> None:
         with self._lock:
             self._since, self._built = time.monotonic(), programs_built()
+            self._thread = threading.get_ident()
 
     def leave(self) -> None:
         with self._lock:
@@ -121,7 +146,7 @@ class StepWatch:
             if self._since is None:
                 return None
             now, built = time.monotonic(), programs_built()
-            if built != self._built:  # it compiled: the clock starts again
+            if built != self._built or building(self._thread):  # the clock starts again
                 self._since, self._built = now, built
             if now - self._since <= self.timeout:
                 return None

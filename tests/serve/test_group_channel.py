@@ -16,8 +16,11 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
+import jax
+import jax.numpy as jnp
 import pytest
 from replicas_harness import free_run
 
@@ -179,3 +182,48 @@ def test_a_leader_counts_a_killed_or_hung_follower_lost(lost, how):
         with pytest.raises(RuntimeError, match="serving group is lost"):
             leader.tick()  # a step after that fails at once
         assert _wait(lambda: lost == [group.LOST_EXIT], group.DRAIN_S + 5)
+
+
+def _watched(step, timeout: float = 0.3, seconds: float = 1.5) -> list:
+    """What `StepWatch.stuck` said, polled as the heartbeat thread does, while another thread
+    runs `step(release)` inside a step (`enter` .. `leave`) for about `seconds`."""
+    watch, release, said = group.StepWatch(timeout), threading.Event(), []
+    entered = threading.Event()
+
+    def run():
+        watch.enter()
+        entered.set()
+        try:
+            step(release)
+        finally:
+            watch.leave()
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    entered.wait(10)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        said.append(watch.stuck())
+        time.sleep(0.05)
+    release.set()
+    worker.join(30)
+    return said
+
+
+def test_a_step_is_stuck_only_when_not_building_a_program():
+    """A step whose thread spends longer than the timeout tracing one program (a long compile:
+    no program finished yet) is never stuck; one waiting outside JAX (a collective for a hung
+    process) is, once past the timeout. (The watch that counted only finished programs called
+    a compile longer than the timeout a hang.)"""
+
+    def compiling(release):
+        def traced(x):
+            release.wait(30)  # inside jax.jit's tracing: building a program
+            return x + 1
+
+        jax.jit(traced).lower(jnp.zeros((3,), jnp.float32))
+
+    assert not any(_watched(compiling)), "a long trace was called stuck"
+    said = _watched(lambda rel: rel.wait(30))
+    assert said[-1] is not None and "stuck in a step" in said[-1], said
+    assert said[0] is None  # within the timeout, not yet
