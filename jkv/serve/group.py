@@ -39,6 +39,7 @@ as jax.distributed's coordinator port).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
@@ -89,10 +90,13 @@ def check(coordinator, num_processes, process_id) -> tuple[str, int]:
 
 def digest(plan) -> int:
     """What a step runs, in a word: its plain rows (`jkv.engine.plan.RowPlan`: request ids,
-    tokens, page blocks, slots), and the requests it preempted (0: no step)."""
+    tokens, page blocks, slots), and the requests it preempted (0: no step). Not a row's
+    `epoch`: a process-wide serial, which counts every sequence the process ever made (a
+    leader's warmup, say) and so differs between processes that plan the same step."""
     if plan is None:
         return 0
-    key = repr(([r.row for r in plan.scheduled], [s.request_id for s in plan.preempted]))
+    rows = [dataclasses.replace(r.row, epoch=0) for r in plan.scheduled]
+    key = repr((rows, [s.request_id for s in plan.preempted]))
     return zlib.crc32(key.encode())
 
 
