@@ -16,6 +16,7 @@ detects which it has (between the two, a version packed for the gathering step,
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -33,6 +34,7 @@ from jkv.engine.sequence import Sequence
 
 LAYERS, KV_HEADS, PAGE = 32, 8, 16  # Llama-3.1-8B
 NEW = hasattr(runner, "RowTables")  # engine core v2
+V3 = importlib.util.find_spec("jkv.engine.plan") is not None  # plain RowPlans
 
 
 def setup(rows: int, prompt: int, new_tokens: int):
@@ -102,7 +104,11 @@ def main(argv=None) -> int:
         row = dict(rows=args.rows, prompt=prompt, **measure(args.rows, prompt, args.steps))
         table.append(row)
         print(row, flush=True)
-    code = "engine core v2 (one table per row)" if NEW else "per-(layer, kv head) tables"
+    code = (
+        "per-(layer, kv head) tables" if not NEW
+        else "engine core v3 (plain RowPlans)" if V3
+        else "engine core v2 (one table per row)"
+    )  # fmt: skip
     print(
         f"\nhost work per decode step, {args.rows} rows, Llama-3.1-8B shape ({LAYERS} layers x "
         f"{KV_HEADS} kv heads), pages of {PAGE}; {code}; median of {args.steps} steps, ms"

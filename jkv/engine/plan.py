@@ -11,12 +11,13 @@ slot in the ring (`Sequence.ring_write`), as the scheduler plans the step that w
 
 from __future__ import annotations
 
-import dataclasses
+from typing import NamedTuple
 
 
-@dataclasses.dataclass(frozen=True)
-class RowPlan:
-    """One scheduled row of a step, as the runner packs it."""
+class RowPlan(NamedTuple):
+    """One scheduled row of a step, as the runner packs it (a named tuple: immutable, and
+    built per row per step at a tuple's cost, where a frozen dataclass cost the scheduler
+    several times its own work: `benchmarks/engine_host.py`)."""
 
     request_id: str
     epoch: int  # the sequence's block list's generation (`RowTables.sync`)

@@ -39,7 +39,6 @@ as jax.distributed's coordinator port).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import pickle
@@ -95,7 +94,7 @@ def digest(plan) -> int:
     leader's warmup, say) and so differs between processes that plan the same step."""
     if plan is None:
         return 0
-    rows = [dataclasses.replace(r.row, epoch=0) for r in plan.scheduled]
+    rows = [r.row._replace(epoch=0) for r in plan.scheduled]
     key = repr((rows, [s.request_id for s in plan.preempted]))
     return zlib.crc32(key.encode())
 
