@@ -1,0 +1,241 @@
+"""Whether a smaller KV cache pays in serving: `jkv.Engine` on SmolLM2-135M-Instruct with the full
+cache beside SnapKV, StreamingLLM and KVzip keeping 25% of each prompt (and, with `--fp8`, each
+again with fp8 pages), on requests of real text with a planted number (RULER's niah_single:
+`jkv.demo.real_text`), so accuracy is measured in the same run.
+
+Two views, one run:
+  same batch   every request in the engine at once (a pool that holds them all), greedy with no
+               end-of-sequence token so no row stops: once every row decodes, `--decode-steps`
+               steps are timed one by one; the median step, and tokens/s = rows / median step.
+  same memory  one pool of the bytes of `--fit` full-cache requests in the model's kv dtype
+               (float32 on CPU; fp8 pages: as many as those bytes hold); every request queued at once, `--new-tokens` each:
+               requests holding pages after each step (peak, mean), preemptions, throughput,
+               TTFT and TPOT (P50, P99), and accuracy (the answer's number) beside the full
+               cache's.
+Each view builds its engine once per kv dtype and warms it up for every policy first (its
+seconds are printed); nothing timed compiles (the programs built while timing are counted).
+
+    python benchmarks/serve_compression.py [--requests 16] [--tokens 2000] [--fp8]
+Writes serve_compression.json under --out. Wall seconds on this machine: the ratios mean more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+import jkv
+from jkv.compile_time import programs_built
+from jkv.demo.real_text import answered, make_needle
+from jkv.engine.engine import Engine
+from jkv.engine.runner import pool_bytes
+
+POLICIES = {"full": None, "SnapKV": "snapkv", "StreamingLLM": "streaming", "KVzip": "kvzip"}
+PAGE = 16
+
+
+def percentile(xs, q: float) -> float:
+    return float(np.percentile(xs, q)) if xs else float("nan")
+
+
+def needles(params, n: int, tokens: int):
+    """`n` prompts of about `tokens` context tokens, the number planted at spread depths."""
+    rng = np.random.default_rng(0)
+    return [make_needle(params, tokens, d, rng) for d in np.linspace(0.1, 0.9, n)]
+
+
+def engine_for(params, kv_dtype, num_pages, rows, policies, budget_tokens):
+    engine = Engine(params, num_pages=num_pages, page_size=PAGE, token_budget=budget_tokens,
+                    chunk=min(512, budget_tokens), max_running=rows, kv_dtype=kv_dtype,
+                    admission_headroom=0.0)  # fmt: skip
+    t0 = time.perf_counter()
+    engine.warmup(kv_policies=[p for p in policies if p is not None])
+    return engine, time.perf_counter() - t0
+
+
+def same_batch(engine, prompts, policy, budget, decode_steps: int) -> dict:
+    """Every prompt in the engine at once; the decode steps timed once every row decodes."""
+    engine.eos_ids = ()  # no row stops early: every row decodes in the timed steps
+    settings = dict(kv_policy=policy, kv_budget=budget if policy else None)
+    longest = max(map(len, prompts))
+    warm = -(-len(prompts) * longest // engine.scheduler.token_budget) + 2 * len(prompts)
+    new = min(warm + decode_steps + 8, engine.max_model_len - longest)
+    rids = [engine.add_request(p, max_new_tokens=new, **settings) for p in prompts]
+    settle = 0
+    for _ in range(10 * new):
+        engine.step()
+        running = engine.scheduler.running
+        if len(running) == len(prompts) and not any(s.prefilling for s in running):
+            settle += 1  # a step past the last prompt (its compaction or replay) first
+            if settle == 2:
+                break
+    else:
+        raise RuntimeError("the rows never all decoded together")
+    built, times = programs_built(), []
+    for _ in range(decode_steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    decoding = sum(not s.prefilling for s in engine.scheduler.running)
+    built = programs_built() - built
+    for rid in rids:
+        engine.abort(rid)
+    while engine.has_work:
+        engine.step()
+    step = statistics.median(times)
+    return dict(rows=decoding, step_ms=round(1e3 * step, 1),
+                tokens_per_s=round(decoding / step, 1), built=built,
+                steps_ms=[round(1e3 * t, 1) for t in times])  # fmt: skip
+
+
+def same_memory(engine, needles_, policy, budget, new_tokens: int) -> dict:
+    """Every request queued at once into the fixed pool, run to the end."""
+    tok = engine.params.tokenizer
+    settings = dict(max_new_tokens=new_tokens, kv_policy=policy,
+                    kv_budget=budget if policy else None)  # fmt: skip
+    built = programs_built()
+    t0 = time.perf_counter()
+    rids = [engine.add_request(n.context_ids + n.question_ids, **settings) for n in needles_]
+    got = {r: [] for r in rids}
+    first, last = {}, {}
+    holding = []
+    while engine.has_work:
+        outs = engine.step()
+        now = time.perf_counter()
+        for out in outs:
+            if out.new_tokens:
+                first.setdefault(out.request_id, now)
+                last[out.request_id] = now
+                got[out.request_id] += out.new_tokens
+        holding.append(len(engine.scheduler.running))
+    seconds = time.perf_counter() - t0
+    ttft = [first[r] - t0 for r in rids]
+    tpot = [(last[r] - first[r]) / (len(got[r]) - 1) for r in rids if len(got[r]) > 1]
+    right = sum(answered(tok.decode(got[r]), n.answer) for r, n in zip(rids, needles_, strict=True))
+    return dict(
+        peak_requests=max(holding), mean_requests=round(sum(holding) / len(holding), 2),
+        preemptions=engine.scheduler.num_preemptions, seconds=round(seconds, 2),
+        tokens_per_s=round(sum(map(len, got.values())) / seconds, 2),
+        ttft_p50_s=round(percentile(ttft, 50), 2), ttft_p99_s=round(percentile(ttft, 99), 2),
+        tpot_p50_ms=round(1e3 * percentile(tpot, 50), 1),
+        tpot_p99_ms=round(1e3 * percentile(tpot, 99), 1),
+        correct=f"{right}/{len(rids)}", built=programs_built() - built,
+    )  # fmt: skip
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=2000, help="context tokens per request")
+    ap.add_argument("--budget", type=float, default=0.25, help="the fraction a policy keeps")
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    ap.add_argument("--fp8", action="store_true", help="each configuration with fp8 pages too")
+    ap.add_argument("--fit", type=int, default=4, help="full requests the same-memory pool holds")
+    ap.add_argument("--decode-steps", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=12)
+    ap.add_argument("--token-budget", type=int, default=2048, help="tokens per engine step")
+    ap.add_argument("--views", nargs="+", default=["batch", "memory"], choices=["batch", "memory"])
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = ap.parse_args(argv)
+
+    params = jkv.load(args.model)
+    cfg = params.config
+    heads = cfg.num_layers * cfg.num_kv_heads
+    ns = needles(params, args.requests, args.tokens)
+    prompts = [n.context_ids + n.question_ids for n in ns]
+    longest = max(map(len, prompts))
+    policies = [POLICIES[p] for p in args.policies]
+    # the model's kv dtype: float32 on CPU, where bfloat16 pages made SmolLM2's decode step
+    # ~20x slower (2.8 s against 0.12 s, 4 rows of 1.1K tokens) in a trial run
+    base_dtype = str(params.kv_dtype)
+    dtypes = [base_dtype] + (["float8_e4m3fn"] if args.fp8 else [])
+    rows, warmups = [], []
+    if "batch" in args.views:  # room for every request, KVzip's replay past its prompt included
+        per_request = -(-(2 * longest + 2 * args.decode_steps + 512) // PAGE) * heads
+        for dtype in dtypes:
+            engine, warm_s = engine_for(params, dtype, per_request * args.requests + 1,
+                                        args.requests, policies, args.token_budget)  # fmt: skip
+            warmups.append(dict(view="same batch", kv_dtype=dtype, warmup_s=round(warm_s, 1)))
+            for name, policy in zip(args.policies, policies, strict=True):
+                r = same_batch(engine, prompts, policy, args.budget, args.decode_steps)
+                rows.append(dict(view="same batch", config=name, kv_dtype=dtype, **r))
+                print(rows[-1], flush=True)
+            del engine
+    if "memory" in args.views:
+        full_pages = -(-(longest + args.new_tokens) // PAGE) * heads * args.fit + 1
+        pool = pool_bytes(cfg, full_pages, PAGE, base_dtype)
+        for dtype in dtypes:
+            pages = pool // pool_bytes(cfg, 1, PAGE, dtype)
+            engine, warm_s = engine_for(params, dtype, pages, args.requests, policies,
+                                        args.token_budget)  # fmt: skip
+            warmups.append(dict(view="same memory", kv_dtype=dtype, warmup_s=round(warm_s, 1)))
+            for name, policy in zip(args.policies, policies, strict=True):
+                engine.scheduler.num_preemptions = 0
+                r = same_memory(engine, ns, policy, args.budget, args.new_tokens)
+                rows.append(dict(view="same memory", config=name, kv_dtype=dtype, pages=pages,
+                                 pool_mib=round(pool / 2**20, 1), **r))  # fmt: skip
+                print(rows[-1], flush=True)
+            del engine
+    for r in rows:  # ratios to the full cache in the model's kv dtype, same view
+        base = next((b for b in rows if b["view"] == r["view"] and b["config"] == "full"
+                     and b["kv_dtype"] == base_dtype), None)  # fmt: skip
+        if base is None:
+            continue
+        r["x_tokens_per_s"] = round(r["tokens_per_s"] / base["tokens_per_s"], 2)
+        if r["view"] == "same batch":
+            r["x_step"] = round(base["step_ms"] / r["step_ms"], 2)
+        else:
+            r["x_requests"] = round(r["mean_requests"] / base["mean_requests"], 2)
+
+    print(f"\n{args.model}: {args.requests} requests of {min(map(len, prompts))}-{longest} "
+          f"prompt tokens (real text, a number planted), policies keep {args.budget:.0%}; "
+          f"CPU ({os.cpu_count()} cores)")  # fmt: skip
+    print(f"\nsame batch: every request decoding, {args.decode_steps} steps timed")
+    print(f"{'config':14s} {'kv':>8s} {'rows':>5s} {'step ms':>8s} {'x step':>7s} "
+          f"{'tok/s':>7s} {'built':>6s}")  # fmt: skip
+    for r in (r for r in rows if r["view"] == "same batch"):
+        print(
+            f"{r['config']:14s} {r['kv_dtype'][:8]:>8s} {r['rows']:5d} {r['step_ms']:8.1f} "
+            f"{r.get('x_step', float('nan')):7.2f} {r['tokens_per_s']:7.1f} {r['built']:6d}"
+        )
+    print(
+        f"\nsame memory: a pool of {args.fit} full requests' bytes, {args.new_tokens} new "
+        "tokens each, all queued at once"
+    )
+    print(f"{'config':14s} {'kv':>8s} {'pages':>7s} {'peak':>5s} {'mean':>6s} {'x mean':>7s} "
+          f"{'preempt':>8s} {'tok/s':>7s} {'x tok/s':>8s} {'TTFT p50':>9s} {'p99':>6s} "
+          f"{'TPOT p50':>9s} {'p99':>7s} {'right':>6s} {'built':>6s}")  # fmt: skip
+    for r in (r for r in rows if r["view"] == "same memory"):
+        print(f"{r['config']:14s} {r['kv_dtype'][:8]:>8s} {r['pages']:7d} {r['peak_requests']:5d} "
+              f"{r['mean_requests']:6.2f} {r.get('x_requests', float('nan')):7.2f} "
+              f"{r['preemptions']:8d} {r['tokens_per_s']:7.2f} "
+              f"{r.get('x_tokens_per_s', float('nan')):8.2f} {r['ttft_p50_s']:9.2f} "
+              f"{r['ttft_p99_s']:6.2f} {r['tpot_p50_ms']:9.1f} {r['tpot_p99_ms']:7.1f} "
+              f"{r['correct']:>6s} {r['built']:6d}")  # fmt: skip
+    print("warmup (s): " + ", ".join(f"{w['view']} {w['kv_dtype']} {w['warmup_s']}"
+                                     for w in warmups))  # fmt: skip
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = dict(
+        model=args.model, requests=args.requests, context_tokens=args.tokens,
+        prompt_tokens=[min(map(len, prompts)), longest], budget=args.budget, fit=args.fit,
+        decode_steps=args.decode_steps, new_tokens=args.new_tokens,
+        token_budget=args.token_budget, page_size=PAGE, rows=rows, warmups=warmups,
+        machine=dict(python=platform.python_version(), cpus=os.cpu_count()),
+    )  # fmt: skip
+    (out / "serve_compression.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {out / 'serve_compression.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
