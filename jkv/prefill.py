@@ -22,7 +22,7 @@ from jkv.kv import PREFILL_CHUNK, bucket, headroom
 from jkv.limits import check_context, check_memory
 from jkv.memory import prefill_plan, step_tokens
 from jkv.params import Params
-from jkv.policies.compress import compress
+from jkv.policies.compress import compress, compress_alone
 from jkv.prompt import encode_prompts
 from jkv.replay import replay
 from jkv.sharding import shard_kv
@@ -215,7 +215,7 @@ def prepare(
         # Back to the fixed capacity: the policy's rule picks what the new tokens displace.
         budgets, capacities = kv.limit, tuple(x.capacity for x in kv_state.layers)
     if budgets is not None:
-        kv = compress(
+        kv = compress_alone(
             params.weights,
             cfg,
             kv,

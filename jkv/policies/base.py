@@ -59,6 +59,9 @@ class Context:
     num_layers: int
     sensitivity: jax.Array | None = None  # [B, L, K] float32 (EffiCache)
     layers: tuple | None = None  # every layer's LayerKV (KVzip ranks all layers together)
+    # A float32 scalar the layer's rebuild must read before it factors (the previous layer's
+    # factorisation, so no two run at once: see `segments.lowrank_store`)
+    after: jax.Array | None = None
 
 
 # name -> policy class (None: the full cache), as each policy's module defines it
@@ -77,6 +80,7 @@ class KVPolicy:
     needs_replay: ClassVar[bool] = False  # KVzip: scored by replaying the context (jkv.replay)
     keeps_by_key_norms: ClassVar[bool] = False  # Quantile: its scores are the keys' norms
     raw_keys: ClassVar[bool] = False  # keys stored before RoPE, rotated by `cache_positions`
+    factorises: ClassVar[bool] = False  # its rebuild runs an SVD (`compress_alone`)
     # jkv.Engine serves it: by default a policy that selects once (`keep`), neither evicting
     # while decoding nor rebuilding; the engine's rings (StreamingLLM, H2O) set it themselves
     served: ClassVar[bool] = True

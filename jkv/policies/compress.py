@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import threading
 
 import jax
+import jax.numpy as jnp
 
 from jkv import kv as kvlib
 from jkv.core.backends import ops
@@ -60,15 +63,27 @@ def compress(
     )
     kernels = ops(backend)
     layers = []
-    previous = None
     for i, layer in enumerate(state.layers):
-        if previous is not None:  # one rebuild at a time (see segments.lowrank_store)
-            layer, _ = jax.lax.optimization_barrier((layer, previous))
         new = policy.rebuild(i, layer, ctx, capacities[i], kernels)
-        previous = None if new is None or new.lowrank is None else new.lowrank.coef_k
+        if new is not None and new.lowrank is not None:  # one factorisation at a time
+            ctx = dataclasses.replace(ctx, after=new.lowrank.rank_k.sum().astype(jnp.float32))
         if new is None:
             new = kvlib.compact(
                 layer, policy.keep(i, layer, ctx), capacities[i], compact_fn=kernels.kv_compact
             )
         layers.append(new if policy.wants_mass or keep_scores else new.replace(scores=None))
     return state.replace(layers=tuple(layers), policy=policy)
+
+
+# jaxlib's CPU SVD holds a pool thread while its batch runs on the others, so two SVDs at once
+# deadlock a 2-thread pool: `compress` orders the SVDs of one program, this lock the programs.
+_FACTORING = threading.Lock()
+
+
+def compress_alone(weights, config, state, *args, policy, **kw) -> kvlib.KVState:
+    """`compress`; when the policy factors the cache (an SVD) on the CPU, one such program at a
+    time in this process, waited for before the next may start."""
+    if not (policy.factorises and jax.default_backend() == "cpu"):
+        return compress(weights, config, state, *args, policy=policy, **kw)
+    with _FACTORING:
+        return jax.block_until_ready(compress(weights, config, state, *args, policy=policy, **kw))

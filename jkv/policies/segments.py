@@ -179,8 +179,10 @@ def truncated_svd(x, variance: float, rank: int):
     return coef, jnp.where(live[..., None], vt[..., :rank, :], 0.0), r
 
 
-def lowrank_store(layer, cls, shape, variance: float) -> kvlib.LowRank:
-    """Packs the middle tokens into M groups of L and factors each group's keys and values."""
+def lowrank_store(layer, cls, shape, variance: float, after=None) -> kvlib.LowRank:
+    """Packs the middle tokens into M groups of L and factors each group's keys and values.
+    `after`: a finite float32 scalar computed from an earlier factorisation, which this one
+    then waits for."""
     m, seg_len, rank = shape
     b, kh, _, h = layer.k.shape
     bi, ki = jnp.arange(b)[:, None, None], jnp.arange(kh)[None, :, None]
@@ -190,9 +192,13 @@ def lowrank_store(layer, cls, shape, variance: float) -> kvlib.LowRank:
     k, v = kvlib.dequantised(layer, jnp.float32)
     zeros = jnp.zeros((2, b, kh, m, seg_len, h), jnp.float32)
     groups = zeros.at[:, bi, ki, grp, j].set(jnp.stack([k, v]), mode="drop")
-    # One SVD call for K and V: jaxlib's CPU SVD blocks a pool thread while its batch runs on
-    # the others, so two concurrent SVDs deadlock a 2-thread pool (compress also serialises
-    # the layers' rebuilds).
+    # jaxlib's CPU SVD blocks a pool thread while its batch runs on the others, so two SVDs
+    # running at once deadlock a 2-thread pool (seen: `make test` hung in CI). Hence one SVD
+    # call for K and V, and a real data dependency on the previous layer's factors: XLA:CPU
+    # runs independent thunks concurrently and drops optimization barriers before it
+    # schedules them. (x * 0.0 is not folded for floats; `after` is finite, so it adds 0.)
+    if after is not None:
+        groups = groups + after * 0.0
     (ck, cv), (bk_, bv), (rk, rv) = truncated_svd(groups, variance, rank)
     dtype = factor_dtype(layer.k.dtype)
     pos = jnp.full((b, kh, m, seg_len), -1, jnp.int32)
@@ -215,6 +221,7 @@ class SnapKVSegments(SnapKV):
     for its prompt (anchor segments + merged groups); the middle goes to the low-rank store."""
 
     name: ClassVar[str] = "snapkv_segments"
+    factorises: ClassVar[bool] = True
 
     budget: int | float = 256
     sink: int = 4
@@ -336,7 +343,7 @@ class SnapKVSegments(SnapKV):
             k_scale=out.k_scale,
             v_scale=out.v_scale,
             bias=out.bias,
-            lowrank=lowrank_store(layer, cls, shape, self.variance),
+            lowrank=lowrank_store(layer, cls, shape, self.variance, ctx.after),
         )
 
 

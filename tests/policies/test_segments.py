@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from fractions import Fraction
 
 import jax
@@ -353,3 +354,88 @@ def test_capacities_are_static_and_match_memory():
 def test_bad_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SnapKVSegments(**kwargs)
+
+
+def _ancestors(hlo: str) -> dict[str, set[str]]:
+    """Each instruction of an HLO module's entry computation -> every instruction it reads,
+    directly or not."""
+    entry = hlo[hlo.index("\nENTRY ") :]
+    entry = entry[: entry.index("\n}")]
+    reads = {}
+    for line in entry.splitlines()[1:]:
+        name, _, rhs = line.strip().removeprefix("ROOT ").partition(" = ")
+        reads[name.lstrip("%")] = set(re.findall(r"%([\w.\-]+)", rhs))
+    seen: dict[str, set[str]] = {}
+
+    def up(name):
+        if name not in seen:
+            seen[name] = set()
+            for r in reads.get(name, ()):
+                if r in reads:
+                    seen[name] |= {r} | up(r)
+        return seen[name]
+
+    for name in reads:
+        up(name)
+    return seen
+
+
+def _compress_args(tiny_params):
+    """A 64-slot float32 state of the tiny llama and the segment rebuild's `compress` args."""
+    params = tiny_params("llama")
+    cfg = params.config
+    policy = SnapKVSegments(budget=16, window=4, segment_len=16)
+    state = kvlib.init_state(
+        num_layers=cfg.num_layers,
+        batch=2,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        capacity=64,
+        dtype="float32",
+        scores=True,
+    )
+    caps = policy.capacities(cfg.num_layers, [60, 40], 8)
+    tokens, n_new = jnp.zeros((2, 64), jnp.int32), jnp.array([60, 40], jnp.int32)
+    budgets = jnp.asarray(policy.row_budgets([60, 40]))
+    kw = dict(policy=policy.jit_key(), capacities=caps, backend="xla")
+    return (params.weights, cfg, state, tokens, n_new, budgets), kw
+
+
+def test_no_two_factorisations_can_run_at_once(tiny_params):
+    """jaxlib's CPU SVD holds a pool thread while its batch runs on the others: two SVDs at once
+    deadlock a 2-thread pool (CI's `make test` hung on it). XLA:CPU runs independent thunks
+    concurrently and drops optimization barriers first, so each layer's SVD must read the
+    previous layer's factors: in the compiled program every SVD depends on another but one."""
+    from jkv.policies.compress import compress
+
+    args, kw = _compress_args(tiny_params)
+    assert args[1].num_layers >= 2
+    hlo = compress.trace(*args, **kw).lower(lowering_platforms=("cpu",)).compile().as_text()
+    calls = re.findall(r"%([\w.\-]+) = [^\n]*custom_call_target=\"(\w+)\"", hlo)
+    svds = {name for name, target in calls if "gesdd" in target or "gesvd" in target}
+    assert len(svds) == args[1].num_layers, calls
+    up = _ancestors(hlo)
+    ordered = sorted(svds, key=lambda s: len(up[s] & svds))
+    for i, s in enumerate(ordered):
+        assert up[s] & svds == set(ordered[:i]), f"{s} may run beside another SVD"
+
+
+def test_factorising_programs_run_one_at_a_time(tiny_params):
+    """Between programs: `compress_alone` (what `jkv.generate` and `jkv.prefill` call) waits for
+    the process's factorising program to end before it starts one, and returns it finished."""
+    import threading
+
+    from jkv.policies import compress as compress_mod
+
+    args, kw = _compress_args(tiny_params)
+    compress_mod.compress_alone(*args, **kw)  # compiled: a second call takes milliseconds
+    done = []
+    with compress_mod._FACTORING:  # another program of the process factoring
+        worker = threading.Thread(
+            target=lambda: done.append(compress_mod.compress_alone(*args, **kw))
+        )
+        worker.start()
+        worker.join(timeout=3)
+        assert worker.is_alive() and not done
+    worker.join(timeout=60)
+    assert done and all(x.is_ready() for x in jax.tree.leaves(done[0]))
