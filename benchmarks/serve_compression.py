@@ -139,6 +139,11 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=0.25, help="the fraction a policy keeps")
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
     ap.add_argument("--fp8", action="store_true", help="each configuration with fp8 pages too")
+    ap.add_argument(
+        "--kv-dtype",
+        default=None,
+        help="the pages' dtype of the base rows (default: the model's, float32 on CPU)",
+    )
     ap.add_argument("--fit", type=int, default=4, help="full requests the same-memory pool holds")
     ap.add_argument("--decode-steps", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=12)
@@ -155,8 +160,8 @@ def main(argv=None) -> int:
     longest = max(map(len, prompts))
     policies = [POLICIES[p] for p in args.policies]
     # the model's kv dtype: float32 on CPU, where bfloat16 pages made SmolLM2's decode step
-    # ~20x slower (2.8 s against 0.12 s, 4 rows of 1.1K tokens) in a trial run
-    base_dtype = str(params.kv_dtype)
+    # ~20x slower (2.84 s against 0.15 s, 4 rows of 1.1K tokens: docs/engine.md)
+    base_dtype = args.kv_dtype or str(params.kv_dtype)
     dtypes = [base_dtype] + (["float8_e4m3fn"] if args.fp8 else [])
     rows, warmups = [], []
     if "batch" in args.views:  # room for every request, KVzip's replay past its prompt included
