@@ -150,6 +150,7 @@ def main(argv=None) -> int:
     ap.add_argument("--token-budget", type=int, default=2048, help="tokens per engine step")
     ap.add_argument("--views", nargs="+", default=["batch", "memory"], choices=["batch", "memory"])
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--tag", default="", help="writes serve_compression_<tag>.json")
     args = ap.parse_args(argv)
 
     params = jkv.load(args.model)
@@ -237,8 +238,9 @@ def main(argv=None) -> int:
         token_budget=args.token_budget, page_size=PAGE, rows=rows, warmups=warmups,
         machine=dict(python=platform.python_version(), cpus=os.cpu_count()),
     )  # fmt: skip
-    (out / "serve_compression.json").write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {out / 'serve_compression.json'}")
+    name = f"serve_compression_{args.tag}.json" if args.tag else "serve_compression.json"
+    (out / name).write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {out / name}")
     return 0
 
 
