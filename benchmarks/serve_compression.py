@@ -6,7 +6,10 @@ again with fp8 pages), on requests of real text with a planted number (RULER's n
 Two views, one run:
   same batch   every request in the engine at once (a pool that holds them all), greedy with no
                end-of-sequence token so no row stops: once every row decodes, `--decode-steps`
-               steps are timed one by one; the median step, and tokens/s = rows / median step.
+               steps are timed one by one; the median step, and tokens/s = rows / median step;
+               the prompt tokens each (layer, kv head) holds (mean, max); `--profile DIR`: a
+               jax.profiler trace of one more step per configuration, read back (the ms XLA's
+               threads were busy, the longest thunks).
   same memory  one pool of the bytes of `--fit` full-cache requests in the model's kv dtype
                (float32 on CPU; fp8 pages: as many as those bytes hold); every request queued at once, `--new-tokens` each:
                requests holding pages after each step (peak, mean), preemptions, throughput,
@@ -30,6 +33,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 
 import jkv
@@ -61,7 +65,7 @@ def engine_for(params, kv_dtype, num_pages, rows, policies, budget_tokens):
     return engine, time.perf_counter() - t0
 
 
-def same_batch(engine, prompts, policy, budget, decode_steps: int) -> dict:
+def same_batch(engine, prompts, policy, budget, decode_steps: int, profile=None) -> dict:
     """Every prompt in the engine at once; the decode steps timed once every row decodes."""
     engine.eos_ids = ()  # no row stops early: every row decodes in the timed steps
     settings = dict(kv_policy=policy, kv_budget=budget if policy else None)
@@ -79,6 +83,11 @@ def same_batch(engine, prompts, policy, budget, decode_steps: int) -> dict:
                 break
     else:
         raise RuntimeError("the rows never all decoded together")
+    # what each (layer, kv head) holds: a policy's kept prompt tokens (its mean is the budget;
+    # its largest head is what a step's attention runs up to on XLA:CPU, block by block)
+    held = np.concatenate([np.asarray(s.base) if s.compressed else
+                           np.full(1, s.num_computed)
+                           for s in engine.scheduler.running])  # fmt: skip
     built, times = programs_built(), []
     for _ in range(decode_steps):
         t0 = time.perf_counter()
@@ -86,6 +95,7 @@ def same_batch(engine, prompts, policy, budget, decode_steps: int) -> dict:
         times.append(time.perf_counter() - t0)
     decoding = sum(not s.prefilling for s in engine.scheduler.running)
     built = programs_built() - built
+    trace = profile_step(engine, profile) if profile is not None else None
     for rid in rids:
         engine.abort(rid)
     while engine.has_work:
@@ -93,7 +103,41 @@ def same_batch(engine, prompts, policy, budget, decode_steps: int) -> dict:
     step = statistics.median(times)
     return dict(rows=decoding, step_ms=round(1e3 * step, 1),
                 tokens_per_s=round(decoding / step, 1), built=built,
-                steps_ms=[round(1e3 * t, 1) for t in times])  # fmt: skip
+                held_mean=round(float(held.mean()), 1), held_max=int(held.max()),
+                steps_ms=[round(1e3 * t, 1) for t in times], profile=trace)  # fmt: skip
+
+
+def profile_step(engine, where: Path) -> dict:
+    """One more `engine.step()` under `jax.profiler.trace` (written under `where`, for
+    TensorBoard's or XProf's trace viewer; under async scheduling the device runs the step
+    dispatched before while the host plans this one), read back: the call's wall ms, the ms
+    XLA's threads were busy running thunks (the compiled programs' work; overlapping threads
+    and nested thunks counted once), and the thunks that ran longest, by name."""
+    where.mkdir(parents=True, exist_ok=True)
+    before = set(where.rglob("*.xplane.pb"))
+    with jax.profiler.trace(str(where)):
+        t0 = time.perf_counter()
+        engine.step()
+        wall = time.perf_counter() - t0
+    (path,) = set(where.rglob("*.xplane.pb")) - before
+    spans, thunks = [], {}
+    for plane in jax.profiler.ProfileData.from_file(str(path)).planes:
+        for line in plane.lines:
+            if not line.name.startswith("tf_XLA"):  # XLA:CPU's threads (Eigen, PjRt client)
+                continue
+            for ev in line.events:
+                spans.append((ev.start_ns, ev.end_ns))
+                if not ev.name.startswith("ThunkExecutor"):
+                    thunks[ev.name] = thunks.get(ev.name, 0.0) + ev.duration_ns / 1e6
+    busy, end = 0, None
+    for a, b in sorted(spans):
+        if end is None or a > end:
+            busy, end = busy + (b - a), b
+        elif b > end:
+            busy, end = busy + (b - end), b
+    top = sorted(thunks.items(), key=lambda kv: -kv[1])[:6]
+    return dict(trace=str(path), step_ms=round(1e3 * wall, 1), xla_busy_ms=round(busy / 1e6, 1),
+                top=[(name, round(ms, 1)) for name, ms in top])  # fmt: skip
 
 
 def same_memory(engine, needles_, policy, budget, new_tokens: int) -> dict:
@@ -151,6 +195,9 @@ def main(argv=None) -> int:
     ap.add_argument("--views", nargs="+", default=["batch", "memory"], choices=["batch", "memory"])
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--tag", default="", help="writes serve_compression_<tag>.json")
+    ap.add_argument("--profile", default=None,
+                    help="same batch: a jax.profiler trace of one more decode step per "
+                    "configuration under this folder, read back into the JSON")  # fmt: skip
     args = ap.parse_args(argv)
 
     params = jkv.load(args.model)
@@ -172,7 +219,8 @@ def main(argv=None) -> int:
                                         args.requests, policies, args.token_budget)  # fmt: skip
             warmups.append(dict(view="same batch", kv_dtype=dtype, warmup_s=round(warm_s, 1)))
             for name, policy in zip(args.policies, policies, strict=True):
-                r = same_batch(engine, prompts, policy, args.budget, args.decode_steps)
+                where = Path(args.profile) / f"{name}-{dtype}" if args.profile else None
+                r = same_batch(engine, prompts, policy, args.budget, args.decode_steps, where)
                 rows.append(dict(view="same batch", config=name, kv_dtype=dtype, **r))
                 print(rows[-1], flush=True)
             del engine
@@ -207,12 +255,17 @@ def main(argv=None) -> int:
           f"CPU ({os.cpu_count()} cores)")  # fmt: skip
     print(f"\nsame batch: every request decoding, {args.decode_steps} steps timed")
     print(f"{'config':14s} {'kv':>8s} {'rows':>5s} {'step ms':>8s} {'x step':>7s} "
-          f"{'tok/s':>7s} {'built':>6s}")  # fmt: skip
+          f"{'tok/s':>7s} {'built':>6s} {'held/head mean':>15s} {'max':>6s}")  # fmt: skip
     for r in (r for r in rows if r["view"] == "same batch"):
         print(
             f"{r['config']:14s} {r['kv_dtype'][:8]:>8s} {r['rows']:5d} {r['step_ms']:8.1f} "
-            f"{r.get('x_step', float('nan')):7.2f} {r['tokens_per_s']:7.1f} {r['built']:6d}"
+            f"{r.get('x_step', float('nan')):7.2f} {r['tokens_per_s']:7.1f} {r['built']:6d} "
+            f"{r['held_mean']:15.1f} {r['held_max']:6d}"
         )
+    for r in (r for r in rows if r["view"] == "same batch" and r["profile"]):
+        p = r["profile"]
+        print(f"profile {r['config']} {r['kv_dtype']}: step {p['step_ms']} ms, XLA busy "
+              f"{p['xla_busy_ms']} ms; longest thunks (ms): {p['top']}; {p['trace']}")  # fmt: skip
     print(
         f"\nsame memory: a pool of {args.fit} full requests' bytes, {args.new_tokens} new "
         "tokens each, all queued at once"

@@ -28,7 +28,7 @@ def test_serve_compression_tiny_run(tmp_path):
     assert serve_compression.main([
         "--model", str(model), "--requests", "4", "--tokens", "100", "--fit", "3",
         "--decode-steps", "2", "--new-tokens", "3", "--token-budget", "64",
-        "--out", str(out),
+        "--out", str(out), "--profile", str(tmp_path / "traces"),
     ]) == 0  # fmt: skip
     report = json.loads((out / "serve_compression.json").read_text())
     rows = {(r["view"], r["config"]): r for r in report["rows"]}
@@ -37,5 +37,9 @@ def test_serve_compression_tiny_run(tmp_path):
         batch, memory = rows["same batch", name], rows["same memory", name]
         assert batch["rows"] == 4 and batch["built"] == 0, batch
         assert memory["built"] == 0 and memory["correct"].endswith("/4"), memory
+        assert Path(batch["profile"]["trace"]).is_file(), batch["profile"]
+        assert 0 < batch["profile"]["xla_busy_ms"] and batch["profile"]["top"], batch["profile"]
+        if name != "full":  # a 25% budget: each head's mean kept is a quarter of a prompt
+            assert batch["held_mean"] * 3 < rows["same batch", "full"]["held_mean"], batch
     full = rows["same memory", "full"]
     assert full["peak_requests"] <= 3, full  # the pool holds `fit` full requests

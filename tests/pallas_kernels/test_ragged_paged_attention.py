@@ -28,8 +28,10 @@ KH, G, H = 2, 2, 16
 POISON_POS = 1 << 30
 
 
-def make_case(rng, q_lens, page, m, dtype, gaps: bool):
-    """Rows with `q_lens` queries each (1: decode); returns the kernel's arguments."""
+def make_case(rng, q_lens, page, m, dtype, gaps: bool, uneven: bool = False):
+    """Rows with `q_lens` queries each (1: decode); returns the kernel's arguments. `uneven`:
+    a row's kv heads hold different counts of its tokens (KVzip's and Ada-KV's kept slots),
+    its first head all of them."""
     r = len(q_lens)
     p = r * KH * m + 8
     lengths = np.zeros((r, KH), np.int32)
@@ -45,7 +47,7 @@ def make_case(rng, q_lens, page, m, dtype, gaps: bool):
         # the same for every head of the row
         text = np.cumsum(rng.integers(1, 3, m * page))
         for k in range(KH):
-            held = ctx
+            held = int(rng.integers(1, ctx + 1)) if uneven and k else ctx
             lo = hi = 0
             if gaps and i % 2:  # a compressed head: prefix, gap to the next page, then a tail
                 base = int(rng.integers(0, 2 * page))
@@ -187,6 +189,22 @@ def test_xla_path_matches_the_reference(rng, rel_err, q_lens, page, m, dtype, ga
     assert not np.isnan(np.asarray(out)).any()
     assert rel_err(out, ref) < tol
     assert np.all(np.asarray(out)[-3:] == 0)  # tokens of no row
+
+
+def test_xla_path_with_uneven_heads(rng, rel_err):
+    """Decode rows whose kv heads hold very different counts (one head many blocks, the others
+    a few: KVzip, Ada-KV): a head's blocks past its own count hold nothing it attends to; every
+    head's output is the reference's."""
+    q_lens = [1, 1, 1, 1, 1, 4]
+    a = make_case(rng, q_lens, 4, 10, "f32", False, uneven=True)
+    blocks = -(-a["lengths"][:5] // 4)  # pages_per_step=1: a block is a page
+    assert (blocks.max(axis=1) - blocks.min(axis=1) >= 2).sum() >= 2  # uneven rows
+    ref = ragged_paged_attention_reference(**a)
+    out = ragged_paged_attention_xla(**a, num_decode=5, num_rows=6, q_tile=4, row_tile=2,
+                                     pages_per_step=1)  # fmt: skip
+    assert not np.isnan(np.asarray(out)).any()
+    assert rel_err(out, ref) < 1e-5
+    assert rel_err(ref, numpy_reference(a, None)) < 1e-5
 
 
 def test_the_reference_is_dense_decode_attention_on_one_query_rows(rng, rel_err):
