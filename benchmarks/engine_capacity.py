@@ -12,8 +12,8 @@ prompt (each kv head's kept tokens move into fewer pages, the rest go back), pre
 it must. Concurrency is counted after every step: requests holding pages (peak and mean over
 the steps), and requests decoding at once. Each configuration runs twice, the second timed
 (the first compiles). Correctness: the first `--check` requests' greedy tokens are compared
-with `jkv.generate` of each alone with the same settings (reported, not asserted: bfloat16 and
-fp8 may round differently when the engine batches differently).
+with `jkv.generate` of each alone with the same settings (reported here;
+tests/engine/test_engine_policies.py asserts it in float32, bfloat16 and fp8).
 
 Model: a random checkpoint of the demo model's shape with a 1,024-token context,
 written by transformers. Requests: prompts of 384-448 random ids, 32 new tokens, greedy.
