@@ -56,7 +56,7 @@ def row_plan(seq, start: int, n: int, page: int) -> RowPlan:
         evict, limit = before >= seq.limit, seq.limit
         first, base, held = before, min(before + 1, seq.limit), 0
     return RowPlan(
-        request_id=seq.request_id, epoch=seq.epoch, blocks=tuple(seq.blocks), start=start,
+        request_id=seq.request_id, epoch=seq.epoch, blocks=seq.plan_blocks(), start=start,
         tokens=tuple(seq.token_slice(start, n)), samples=start + n == seq.num_tokens,
         computed=seq.num_computed, sampled=len(seq.output), first=first, held=held, base=base,
         n_prefix=n_prefix, raw_sink=seq.raw_sink, shift=shift, mass_rule=seq.mass_rule,

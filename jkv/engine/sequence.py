@@ -47,6 +47,8 @@ class Sequence:
     # replaced rather than appended to: a page table row kept for a finished request (same id,
     # same count of replacements) is never taken for its successor's (`RowTables.sync`).
     epoch: int = dataclasses.field(default_factory=lambda: next(EPOCHS))
+    # `blocks` as the last step's plan took them, with their epoch (`plan_blocks`)
+    _planned: tuple[int, tuple[int, ...]] = dataclasses.field(default=(0, ()), repr=False)
     n_prefix: int = 0  # compressed: leading blocks holding each head's kept tokens
     base: list[int] | None = None  # compressed: kept tokens per head (L * K of them)
     prefix_pages: int = 0  # compressed: pages its prefix blocks hold (holes excluded)
@@ -135,6 +137,16 @@ class Sequence:
         """Tokens in whole blocks after the prefix: all of them uncompressed, those written
         since the compression otherwise (a ring: written since, counted, not stored apart)."""
         return self.num_computed - (len(self.prompt) if self.compressed else 0)
+
+    def plan_blocks(self) -> tuple[int, ...]:
+        """`blocks` as an immutable tuple for a step's plan, copied again only when they
+        changed: within an epoch they only grow, so a tuple of the same epoch and length holds
+        the same ids (a long row's thousand blocks are not copied every step)."""
+        epoch, planned = self._planned
+        if epoch != self.epoch or len(planned) != len(self.blocks):
+            planned = tuple(self.blocks)
+            self._planned = (self.epoch, planned)
+        return planned
 
     def blocks_after(self, n: int) -> int:
         """Blocks it needs to hold `n` more computed tokens."""

@@ -87,3 +87,18 @@ def jax_leaves(tree):
     import jax
 
     return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
+
+
+def test_a_plans_blocks_follow_every_change_and_are_not_copied_otherwise():
+    """`Sequence.plan_blocks`: the plan's block ids are the sequence's at every step: after
+    they grow, and after they are replaced by as many others (a new epoch: preempted and taken
+    again, compacted); between changes the same tuple is reused (a long row's blocks are not
+    copied every step)."""
+    seq = Sequence("r", [1, 2, 3], max_tokens=4, arrival=0)
+    seq.blocks = [5, 6]
+    first = seq.plan_blocks()
+    assert first == (5, 6) and seq.plan_blocks() is first
+    seq.blocks += [7]
+    assert seq.plan_blocks() == (5, 6, 7)
+    seq.blocks, seq.epoch = [9, 10, 11], seq.epoch + 1000  # replaced, the same length
+    assert seq.plan_blocks() == (9, 10, 11)
