@@ -29,6 +29,9 @@ sees itself causally, by positions. Maths, for query t of row r, query head n = 
     out[t,n] = sum_i softmax_visible(z)[i] * V[page, off] * v_scale[page, off]
     (zeros where nothing is visible)
 
+A low-rank page's tokens join the same softmax (`lowrank_tokens`): the factors are expanded one
+page at a time, never a row's whole middle.
+
 Two implementations beside the float32 reference, both with a cost that grows with the tokens
 each row holds, never with rows x the longest row, and a compiled shape that depends on T, R and
 the pool only: `ragged_paged_attention_xla`, the engine's path on the "xla" backend (loops whose
@@ -54,6 +57,38 @@ from jax.experimental import pallas as pl
 from jkv_kernels import _backend as bk
 
 _MASKED = -1e30
+WEIGHT_SHIFT = 24  # positions below 2**24 tokens; a slot's weight - 1 in the bits above
+
+
+def weighted_positions(positions, weights):
+    """int32 positions that also carry each slot's weight (an int >= 1, at most 128)."""
+    return positions + ((weights.astype(jnp.int32) - 1) << WEIGHT_SHIFT)
+
+
+def split_positions(stored):
+    """(positions, log weights float32) of `weighted_positions`' encoding; an empty slot's -1
+    stays -1 with weight 1."""
+    live = stored >= 0
+    pos = jnp.where(live, stored & ((1 << WEIGHT_SHIFT) - 1), stored)
+    weight = jnp.where(live, (stored >> WEIGHT_SHIFT) + 1, 1)
+    return pos, jnp.log(weight.astype(jnp.float32))
+
+
+def lowrank_tokens(k_page, v_page, rank: int):
+    """Keys and values `[..., C * H, H]` float32 of low-rank pages `[..., page_size, H]`
+    (dequantised): the basis in rows 0 .. rank, then C = page_size // rank - 1 blocks of
+    coefficients C^T, H tokens each."""
+    *lead, page, h = k_page.shape
+    chunks = page // rank - 1
+
+    def expand(x):
+        basis = x[..., :rank, :]
+        coef = x[..., rank : rank * (chunks + 1), :].reshape(*lead, chunks, rank, h)
+        return jnp.einsum("...cjt,...jh->...cth", coef, basis, precision="highest").reshape(
+            *lead, chunks * h, h
+        )
+
+    return expand(k_page.astype(jnp.float32)), expand(v_page.astype(jnp.float32))
 
 
 def _validate(q, k_pages, v_pages, page_table, lengths, gaps, q_start, q_len, q_positions):
@@ -103,7 +138,9 @@ def _rotated(x, pos, sink, shift, inv_freq):
     return x * jnp.cos(angles) + swapped * jnp.sin(angles)
 
 
-@functools.partial(jax.jit, static_argnames=("sliding_window", "sm_scale"))
+@functools.partial(
+    jax.jit, static_argnames=("sliding_window", "sm_scale", "weights", "lowrank_rank")
+)
 def ragged_paged_attention_reference(
     q,
     k_pages,
@@ -121,6 +158,9 @@ def ragged_paged_attention_reference(
     sliding_window=None,
     sm_scale=None,
     rope=None,
+    weights: bool = False,
+    lowrank=None,
+    lowrank_rank: int = 0,
 ):
     """Float32 reference: each row's pages gathered into a dense copy, every query against it.
     Returns `[T, N, H]` float32 (zeros for tokens no row owns)."""
@@ -137,6 +177,9 @@ def ragged_paged_attention_reference(
     dense_k = k[page_table].reshape(r, kh, m * page, h)  # [R, K, S, H]
     dense_v = v[page_table].reshape(r, kh, m * page, h)
     dense_pos = pos_pages[page_table].reshape(r, kh, m * page)
+    log_w = jnp.zeros(dense_pos.shape, jnp.float32)
+    if weights:
+        dense_pos, log_w = split_positions(dense_pos)
     if rope is not None:
         raw, sink, shift, inv_freq = rope
         turned = _rotated(dense_k, dense_pos, sink[:, None, None], shift[:, None, None], inv_freq)
@@ -162,9 +205,28 @@ def ragged_paged_attention_reference(
         q_positions[:, None, None],
         sliding_window,
     )  # [T, K, S]
+    bias = log_w[owner]
+    if lowrank is not None:  # each row's low-rank pages, expanded, join its slots
+        start, count = lowrank
+        cols = jnp.arange(m)
+        live = cols[None] < count[:, None]  # [R, M]
+        pages = jnp.take_along_axis(
+            page_table, jnp.clip(start[:, None, None] + cols, 0, m - 1), axis=2
+        )  # [R, K, M]
+        lk, lv = lowrank_tokens(k[pages], v[pages], lowrank_rank)  # [R, K, M, C*H, H]
+        held = pos_pages[pages][..., 0]  # [R, K, M]
+        per = lk.shape[3]
+        ok = live[:, None, :, None] & (jnp.arange(per) < held[..., None])
+        ok = ok.reshape(r, kh, m * per)[owner]
+        kk = jnp.concatenate([kk, lk.reshape(r, kh, m * per, h)[owner]], axis=2)
+        vv = jnp.concatenate(
+            [vv, jnp.where(ok[..., None], lv.reshape(r, kh, m * per, h)[owner], 0.0)], axis=2
+        )
+        vis = jnp.concatenate([vis, ok], axis=2)
+        bias = jnp.concatenate([bias, jnp.zeros(ok.shape, jnp.float32)], axis=2)
     qg = q.astype(jnp.float32).reshape(t, kh, n // kh, h)
     z = jnp.einsum("tkgh,tksh->tkgs", qg, kk, precision="highest") * scale
-    z = jnp.where(vis[:, :, None], z, _MASKED)
+    z = jnp.where(vis[:, :, None], z + bias[:, :, None], _MASKED)
     p = jnp.where(vis[:, :, None], jnp.exp(z - jnp.max(z, -1, keepdims=True)), 0.0)
     denom = jnp.sum(p, -1, keepdims=True)
     p = jnp.where(denom > 0, p / jnp.where(denom > 0, denom, 1.0), 0.0)
@@ -173,8 +235,12 @@ def ragged_paged_attention_reference(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("sliding_window", "sm_scale", "q_tile", "row_tile", "pages_per_step")
-)
+    jax.jit,
+    static_argnames=(
+        "sliding_window", "sm_scale", "weights", "lowrank_rank", "q_tile", "row_tile",
+        "pages_per_step",
+    ),
+)  # fmt: skip
 def ragged_paged_attention_xla(
     q,
     k_pages,
@@ -194,6 +260,9 @@ def ragged_paged_attention_xla(
     sliding_window=None,
     sm_scale=None,
     rope=None,
+    weights: bool = False,
+    lowrank=None,
+    lowrank_rank: int = 0,
     q_tile: int = 64,
     row_tile: int = 8,
     pages_per_step: int = 8,
@@ -203,7 +272,8 @@ def ragged_paged_attention_xla(
     vectorised, the rest row by row); rows [num_decode,
     num_rows) hold chunks, taken `q_tile` queries at a time. Every tile reads only its own key
     blocks of `pages_per_step` pages (loops with data trip counts). Returns `[T, N, H]` in q's
-    dtype (zeros for tokens no row owns)."""
+    dtype (zeros for tokens no row owns). A row's low-rank pages (`lowrank`) run after its
+    other blocks, one page at a time, in the same flash carry."""
     _validate(q, k_pages, v_pages, page_table, lengths, gaps, q_start, q_len, q_positions)
     t, n, h = q.shape
     r_all, kh, m = page_table.shape
@@ -234,6 +304,9 @@ def ragged_paged_attention_xla(
             vb = vb * v_scale[pages].astype(f32)[..., None]
         w = rows.shape[0]
         pos = pos_pages[pages].reshape(w, kh, bs)
+        log_w = None
+        if weights:
+            pos, log_w = split_positions(pos)
         if rope is not None:  # a ring's keys, stored before RoPE, rotated at their ranks
             raw, sink, shift = (x[rows] for x in rope_p)
 
@@ -247,7 +320,7 @@ def ragged_paged_attention_xla(
         stored = _visible(slots, lens[rows], None if gaps_p is None else gaps_p[rows], 0, 0, None)
         stored &= jnp.repeat(cols < m, page)
         vb = jnp.where(stored[..., None], vb.reshape(w, kh, bs, h), 0.0)  # 0 x NaN is NaN
-        return kb.reshape(w, kh, bs, h), vb, pos, stored
+        return kb.reshape(w, kh, bs, h), vb, pos, stored, log_w
 
     def start(w, width):
         return (
@@ -261,22 +334,52 @@ def ragged_paged_attention_xla(
         `[W, Q, K, G, H]` at `qp` `[W, Q]`: the carry (max, sum, output) goes on."""
 
         def step(j, carry):
-            kb, vb, pos, stored = block(rows, j)
+            kb, vb, pos, stored, log_w = block(rows, j)
             vis = stored[:, :, None, :] & (pos[:, :, None, :] <= qp[:, None, :, None])
             if sliding_window is not None:
                 vis &= qp[:, None, :, None] - pos[:, :, None, :] < sliding_window
             vis &= valid_q[:, None, :, None]  # [W, K, Q, S]
-            z = jnp.einsum("wqkgh,wksh->wkgqs", qt, kb) * scale
-            m_, l_, acc = carry
-            z = jnp.where(vis[:, :, None], z, _MASKED)
-            m_new = jnp.maximum(m_, jnp.max(z, axis=-1))
-            p = jnp.where(vis[:, :, None], jnp.exp(z - m_new[..., None]), 0.0)
-            alpha = jnp.exp(m_ - m_new)
-            l_ = l_ * alpha + jnp.sum(p, axis=-1)
-            acc = acc * alpha[..., None] + jnp.einsum("wkgqs,wksh->wkgqh", p, vb)
-            return m_new, l_, acc
+            return flash(carry, qt, kb, vb, vis, log_w)
 
         return lax.fori_loop(lo, hi, step, carry)
+
+    def flash(carry, qt, kb, vb, vis, log_w=None):
+        """One flash step of queries `qt` `[W, Q, K, G, H]` over keys and values `[W, K, S, H]`
+        where `vis` `[W, K, Q, S]` (logits + `log_w` `[W, K, S]`, a slot's log weight)."""
+        z = jnp.einsum("wqkgh,wksh->wkgqs", qt, kb) * scale
+        if log_w is not None:
+            z = z + log_w[:, :, None, None, :]
+        m_, l_, acc = carry
+        z = jnp.where(vis[:, :, None], z, _MASKED)
+        m_new = jnp.maximum(m_, jnp.max(z, axis=-1))
+        p = jnp.where(vis[:, :, None], jnp.exp(z - m_new[..., None]), 0.0)
+        alpha = jnp.exp(m_ - m_new)
+        l_ = l_ * alpha + jnp.sum(p, axis=-1)
+        acc = acc * alpha[..., None] + jnp.einsum("wkgqs,wksh->wkgqh", p, vb)
+        return m_new, l_, acc
+
+    def low_pages(row, qt, valid_q, carry):
+        """Flash steps over the low-rank pages of one row `row` (a `[1]` array), a page at a
+        time, for its queries `qt` `[1, Q, K, G, H]`: they precede every query."""
+        if lowrank is None:
+            return carry
+        r0 = jnp.minimum(row[0], r_all - 1)
+        lo = lowrank[0][r0]
+
+        def one(i, carry):
+            pages = table[r0, :, jnp.clip(lo + i, 0, m - 1)]  # [K]
+            kp, vp = k_pages[pages].astype(f32), v_pages[pages].astype(f32)
+            if k_scale is not None:
+                kp = kp * k_scale[pages].astype(f32)[..., None]
+                vp = vp * v_scale[pages].astype(f32)[..., None]
+            kb, vb = lowrank_tokens(kp, vp, lowrank_rank)  # [K, C*H, H]
+            stored = jnp.arange(kb.shape[1]) < pos_pages[pages, 0][:, None]  # [K, C*H]
+            vis = stored[None, :, None, :] & valid_q[:, None, :, None]
+            vb = jnp.where(stored[..., None], vb, 0.0)
+            return flash(carry, qt, kb[None], vb[None], vis)
+
+        trips = jnp.where(row[0] < r_all, lowrank[1][r0], 0)
+        return lax.fori_loop(0, trips, one, carry)
 
     def finish(carry):
         """`[W, Q, K, G, H]` outputs of a finished carry (zeros where nothing was visible)."""
@@ -306,6 +409,7 @@ def ragged_paged_attention_xla(
             one = jax.tree.map(lambda x: lax.dynamic_slice_in_dim(x, w, 1), carry)
             one = blocks(rows[w][None], qt[w][None], qp[w][None], real[w][None, None], common,
                          n_blocks[w], one)  # fmt: skip
+            one = low_pages(rows[w][None], qt[w][None], real[w][None, None], one)
             return jax.tree.map(
                 lambda x, y: lax.dynamic_update_slice_in_dim(x, y, w, 0), carry, one
             )
@@ -321,7 +425,9 @@ def ragged_paged_attention_xla(
             qt = lax.dynamic_slice(qg, (t0, 0, 0, 0), (q_tile, kh, g, h))[None]
             qp = lax.dynamic_slice(qpos, (t0,), (q_tile,))[None]
             n_blocks = (jnp.max(lens[r]) + bs - 1) // bs
-            carry = blocks(jnp.full((1,), r), qt, qp, valid[None], 0, n_blocks, start(1, q_tile))
+            row = jnp.full((1,), r)
+            carry = blocks(row, qt, qp, valid[None], 0, n_blocks, start(1, q_tile))
+            carry = low_pages(row, qt, valid[None], carry)
             return merge(out, t0, finish(carry)[0], valid)
 
         return lax.fori_loop(0, (q_len[r] + q_tile - 1) // q_tile, tile, out)
@@ -343,6 +449,8 @@ def ragged_paged_attention_kernel(
     gaps: bool,
     window: int | None,
     rope: bool = False,
+    weights: bool = False,
+    lowrank_rank: int = 0,
 ):
     refs = list(refs)
     q_ref = refs.pop(0)  # [T, N, H] every query token (gathered by address)
@@ -360,6 +468,8 @@ def ragged_paged_attention_kernel(
     # a ring's keys stored before RoPE: whether this row's are, its sinks and shift, and the
     # inverse frequencies repeated over both halves [H]
     raw_ref, sink_ref, shift_ref, freq_ref = (refs.pop(0) for _ in range(4)) if rope else [None] * 4
+    # the row's low-rank pages: table columns lr_start .. lr_start + lr_count
+    lr_start_ref, lr_count_ref = (refs.pop(0) for _ in range(2)) if lowrank_rank else (None, None)
     _ = refs.pop(0)  # [T + 1, N, H] float32 zeros, aliased to the output
     o_ref = refs.pop(0)  # [T + 1, N, H] float32 output, written by address (its rows only)
 
@@ -396,6 +506,9 @@ def ragged_paged_attention_kernel(
         valid = (slots < length) & ((slots < lo) | (slots >= hi))
         page = bk.load(table_ref.at[slots // page_size], mask=valid, other=0)  # [bs]
         pos = bk.load(pos_ref.at[page, offs], mask=valid, other=0)
+        if weights:  # a merged slot's weight - 1 above WEIGHT_SHIFT: log weight on its logit
+            log_w = jnp.log(((pos >> WEIGHT_SHIFT) + 1).astype(jnp.float32))
+            pos = pos & ((1 << WEIGHT_SHIFT) - 1)
         kb = decode(bk.load(k_ref.at[page[:, None], offs[:, None], cols[None, :]],
                             mask=valid[:, None], other=0))  # fmt: skip
         if rope:  # rotate-half by a second load of the block, its halves swapped
@@ -411,6 +524,8 @@ def ragged_paged_attention_kernel(
             ks = bk.load(ks_ref.at[page, offs], mask=valid, other=0).astype(jnp.float32)
             z = z * ks[None, :]
         z = z * sm_scale
+        if weights:
+            z = z + log_w[None, :]
         keep = valid[None, :] & (pos[None, :] <= qpos[:, None]) & row_ok[:, None]
         if window:
             keep = keep & (qpos[:, None] - pos[None, :] < window)
@@ -422,7 +537,41 @@ def ragged_paged_attention_kernel(
                             mask=valid[:, None], other=0))  # fmt: skip
         return bk.softmax_update(carry, z, vb, compute_dtype, vs)
 
-    o, _, lsum = jax.lax.fori_loop(0, n_blocks, body, bk.softmax_start(rows_p, h))
+    carry = jax.lax.fori_loop(0, n_blocks, body, bk.softmax_start(rows_p, h))
+    if lowrank_rank:
+        rank, width = lowrank_rank, table_ref.shape[0]
+        rp = max(bk.MIN_DOT, rank)  # the factors' rows, padded for the dots
+        jr = jnp.arange(rp)
+
+        def factors(x_ref, s_ref, page, first):
+            """Rows first .. first + rank of a low-rank page, float32 `[rp, H]` (zeros past)."""
+            ok = jr < rank
+            rows = jnp.where(ok, first + jr, 0)
+            x = decode(bk.load(x_ref.at[page, rows[:, None], cols[None, :]], mask=ok[:, None],
+                               other=0))  # fmt: skip
+            if fp8:
+                x = x * bk.load(s_ref.at[page, rows], mask=ok, other=0).astype(jnp.float32)[:, None]
+            return x
+
+        def low_page(i, carry):
+            page = table_ref[jnp.minimum(lr_start_ref[()] + i, width - 1)]
+            held = pos_ref[page, 0]
+            basis_k = factors(k_ref, ks_ref, page, 0)
+            basis_v = factors(v_ref, vs_ref, page, 0)
+            for c in range(page_size // rank - 1):  # H tokens a block of coefficients
+                coef_k = factors(k_ref, ks_ref, page, rank * (c + 1))  # C^T [rp, H tokens]
+                coef_v = factors(v_ref, vs_ref, page, rank * (c + 1))
+                keys = bk.dot(jnp.transpose(coef_k), basis_k)  # [H tokens, H]
+                vals = bk.dot(jnp.transpose(coef_v), basis_v)
+                ok = (c * h + cols < held) & busy
+                vals = jnp.where(ok[:, None], vals, 0.0)
+                z = bk.dot(q, keys.astype(compute_dtype), trans_b=True) * sm_scale
+                z = jnp.where(ok[None, :] & row_ok[:, None], z, -jnp.inf)
+                carry = bk.softmax_update(carry, z, vals, compute_dtype)
+            return carry
+
+        carry = jax.lax.fori_loop(0, jnp.where(busy, lr_count_ref[()], 0), low_page, carry)
+    o, _, lsum = carry
     out = jnp.where(lsum[:, None] > 0, o / jnp.where(lsum > 0, lsum, 1.0)[:, None], 0.0)
     bk.store(o_ref.at[spare[:, None], head[:, None], cols[None, :]], out, mask=row_ok[:, None])
 
@@ -439,6 +588,8 @@ def ragged_paged_attention_kernel(
         "backend",
         "interpret",
         "_fill",
+        "weights",
+        "lowrank_rank",
     ),  # fmt: skip
 )
 def ragged_paged_attention(
@@ -460,6 +611,9 @@ def ragged_paged_attention(
     sliding_window=None,
     sm_scale=None,
     rope=None,
+    weights: bool = False,
+    lowrank=None,
+    lowrank_rank: int = 0,
     q_tile: int = 16,
     pages_per_block: int | None = None,
     num_warps: int = 4,
@@ -526,12 +680,27 @@ def ragged_paged_attention(
         freq = jnp.concatenate([inv_freq, inv_freq]).astype(jnp.float32)
         args += [raw.astype(jnp.int32), sink.astype(jnp.int32), shift.astype(jnp.int32), freq]
         in_specs += [per_row(), per_row(), per_row(), whole(h)]  # row i's flag, sinks, shift
+    if (lowrank is None) != (not lowrank_rank):
+        raise ValueError(f"{lowrank_rank=}: low-rank pages need their rank, and only they")
+    if lowrank is not None:
+        if (
+            lowrank_rank & (lowrank_rank - 1)
+            or page_size % lowrank_rank
+            or page_size < 2 * lowrank_rank
+        ):
+            raise ValueError(
+                f"{lowrank_rank=}: expected a power of two dividing page_size={page_size} at most "
+                "half of it (a basis, then blocks of coefficients)"
+            )
+        args += [lowrank[0].astype(jnp.int32), lowrank[1].astype(jnp.int32)]
+        in_specs += [per_row(), per_row()]
     args.append(jnp.full((t + 1, n, h), _fill, jnp.float32))  # tests poison it with NaN
     in_specs.append(whole(t + 1, n, h))
     kernel = functools.partial(
         ragged_paged_attention_kernel, n_heads=g, q_tile=q_tile, page_size=page_size,
         block_s=block_s, sm_scale=scale, compute_dtype=compute_dtype, fp8=fp8,
-        gaps=gaps is not None, window=sliding_window, rope=rope is not None,
+        gaps=gaps is not None, window=sliding_window, rope=rope is not None, weights=weights,
+        lowrank_rank=lowrank_rank if lowrank is not None else 0,
     )  # fmt: skip
     out = pl.pallas_call(
         kernel,

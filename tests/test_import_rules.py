@@ -169,7 +169,7 @@ LAYERS = {
 
 
 ENGINE_ARRAY_FILES = ("runner.py", "ragged.py", "engine.py", "warmup.py", "recovery.py",
-                      "policy_steps.py", "select.py", "replay.py", "programs.py",
+                      "policy_steps.py", "select.py", "replay.py", "rebuild.py", "programs.py",
                       "pool_size.py")  # fmt: skip
 
 

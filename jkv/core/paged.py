@@ -70,6 +70,15 @@ class PagedRows:
     sink: jax.Array | None = None  # [R] int32
     shift: jax.Array | None = None  # [R] int32
     mass: MassRows | None = None  # H2O's rows, None when the step has none
+    # The segment rebuild's low-rank pages: the last `lowrank[r]` of row r's prefix blocks
+    # (None: a pass over uncompressed rows)
+    lowrank: jax.Array | None = None  # [R] int32
+
+
+def lowrank_rank(page_size: int) -> int:
+    """Basis rows of a low-rank page (`jkv.engine.rebuild`); the coefficients of `head_dim`
+    tokens take as many rows after them."""
+    return page_size // 2
 
 
 def local_pages(pages, first) -> jax.Array:
@@ -234,13 +243,17 @@ def make_paged_attention(
                 pool = {**pool, "mass": mass}
             pool = write_tokens(pool, at, k, v[0], positions[0], kv_dtype)
         table, lengths, gaps = head_layout(pool, rows, heads, first)
+        low = {}  # a rebuilt row's low-rank pages: inside its gap, read as factors
+        if rows.lowrank is not None:
+            low = dict(lowrank=(rows.n_prefix - rows.lowrank, rows.lowrank),
+                       lowrank_rank=lowrank_rank(pool["k"].shape[1]))  # fmt: skip
 
         def attend(rope_args):
             return kernels.ragged_attention(
                 q, pool["k"], pool["v"], table, lengths, rows.q_start, rows.q_len,
                 positions[0], pool["positions"], rows.num_decode, rows.num_rows, gaps=gaps,
                 k_scale=pool.get("k_scale"), v_scale=pool.get("v_scale"),
-                sliding_window=config.sliding_window, rope=rope_args,
+                sliding_window=config.sliding_window, rope=rope_args, weights=True, **low,
             )  # fmt: skip
 
         if rope_args is None or backend == "xla":  # the XLA path skips it block by block

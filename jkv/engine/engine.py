@@ -328,6 +328,9 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
             most = max(policy.layer_budget(i, layers, kept) for i in range(layers))
             seq.compresses, seq.window = True, getattr(policy, "window", 0)
             seq.keep = min(len(ids), most) + req.max_new_tokens
+            if policy.rebuilds:  # and its low-rank pages, a page per head_dim middle tokens
+                low = -(-policy.max_middle(len(ids)) // self.params.config.head_dim)
+                seq.keep += low * self.pool.page_size
             if policy.evicts:  # a ring of `limit` slots per head once the prompt is in
                 seq.limit = policy.row_limit(len(ids))
                 seq.keep = min(seq.limit, len(ids) + req.max_new_tokens)

@@ -31,6 +31,7 @@ class RowPlan(NamedTuple):
     held: int  # slots each head attends over past `base` (prefix) after the step
     base: tuple[int, ...] | int = 0  # a compressed prompt's kept tokens per head, or a ring's
     n_prefix: int = 0  # a compressed prompt's leading blocks
+    n_lowrank: int = 0  # of them, the last ones: low-rank pages (the segment rebuild)
     raw_sink: int | None = None  # keys stored before RoPE (StreamingLLM): its sinks
     shift: int = 0  # StreamingLLM: the rank shift of the ring's window
     mass_rule: tuple[int, int, bool] | None = None  # H2O's (recent, protect, importance)
@@ -47,6 +48,7 @@ def row_plan(seq, start: int, n: int, page: int) -> RowPlan:
     StreamingLLM ring by the token it writes)."""
     first = seq.n_prefix * page + seq.tail  # the first new token's tail slot
     base, n_prefix = (tuple(seq.base), seq.n_prefix) if seq.compressed else (0, 0)
+    n_lowrank = seq.n_lowrank if seq.compressed else 0
     held, shift, evict, limit = seq.tail + n, 0, False, 1
     if seq.ring and seq.raw_sink is not None:  # one token into StreamingLLM's ring
         first, base, shift = seq.ring_write(start)
@@ -59,6 +61,6 @@ def row_plan(seq, start: int, n: int, page: int) -> RowPlan:
         request_id=seq.request_id, epoch=seq.epoch, blocks=seq.plan_blocks(), start=start,
         tokens=tuple(seq.token_slice(start, n)), samples=start + n == seq.num_tokens,
         computed=seq.num_computed, sampled=len(seq.output), first=first, held=held, base=base,
-        n_prefix=n_prefix, raw_sink=seq.raw_sink, shift=shift, mass_rule=seq.mass_rule,
-        evict=evict, limit=limit,
+        n_prefix=n_prefix, n_lowrank=n_lowrank, raw_sink=seq.raw_sink, shift=shift,
+        mass_rule=seq.mass_rule, evict=evict, limit=limit,
     )  # fmt: skip

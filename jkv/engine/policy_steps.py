@@ -1,7 +1,8 @@
 """The prompts a KV policy compresses (mixed into `Engine`): they run on the flattened step like a
 full cache's; after the step that ends one, its policy selects over the pool (`_select`,
 `jkv.engine.select`) and the selection is made physical (`_compress`): each head's kept tokens
-in the fewest pages, a ring (StreamingLLM, H2O) in its budget's slots."""
+in the fewest pages, a ring (StreamingLLM, H2O) in its budget's slots; or the segment rebuild
+builds its slots and low-rank pages (`_rebuild_segments`, `jkv.engine.rebuild`) and writes them."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 
 from jkv import kv as kvlib
 from jkv.engine import programs
+from jkv.engine.rebuild import Rebuilt, paged_rebuild, policy_rank, rebuild_rows, write_rebuilt
 from jkv.engine.replay import REPLAY_CHUNK, pack_replay, replay_piece, replay_span, replay_tokens
 from jkv.engine.runner import compact
 from jkv.engine.select import (
@@ -20,6 +22,7 @@ from jkv.engine.select import (
 )
 from jkv.engine.sequence import Status
 from jkv.policies import POLICIES
+from jkv.policies.compress import factoring
 from jkv.policies.efficache import head_sensitivity
 from jkv.sharding import to_host
 
@@ -39,8 +42,7 @@ def sensitivity_bucket(n: int, max_len: int) -> int:
 
 def served() -> list[str]:
     """The policies `jkv.Engine` serves, by name (`KVPolicy.served`: those that select once,
-    and the rings StreamingLLM and H2O; not the segment rebuild, which runs on the one-shot
-    path)."""
+    the rings StreamingLLM and H2O, and the segment rebuild, `jkv.engine.rebuild`)."""
     return sorted(n for n, cls in POLICIES.items() if cls is not None and cls.served)
 
 
@@ -52,8 +54,9 @@ class PolicySteps:
         return [n for n in served() if not POLICIES[n].wants_mass or self.attention_mass]
 
     def _check_policy(self, policy) -> None:
-        """The policies the engine serves: all but the segment rebuild (H2O only with the
-        pool's attention mass), each with an observation window that fits one step."""
+        """The policies the engine serves (H2O only with the pool's attention mass; the
+        segment rebuild at the settings its low-rank pages hold), each with an observation
+        window that fits one step."""
         if policy is None:
             return
         if policy.wants_mass and not self.attention_mass:
@@ -73,6 +76,8 @@ class PolicySteps:
                 "the one-shot path (jkv.generate) only; the engine compresses a prompt once, at "
                 "its end (chunked=False)"
             )
+        if policy.rebuilds:
+            self._check_rebuild(policy)
         if getattr(policy, "replaying", False):
             raise ValueError(
                 f"kv_policy={policy.name!r} replaying=True: the replay pass's own key, not a "
@@ -89,6 +94,29 @@ class PolicySteps:
                 f"token_budget={self.scheduler.token_budget} less one per other running request)"
             )
 
+    def _check_rebuild(self, policy) -> None:
+        """The segment rebuild's settings the engine's low-rank pages hold: a segment of
+        `head_dim` tokens a page, factored at a rank of at most half a page; on models without
+        a sliding window (a low-rank token's position is not kept)."""
+        cfg, page = self.params.config, self.pool.page_size
+        if cfg.sliding_window is not None:
+            raise ValueError(
+                f"kv_policy={policy.name!r}: the engine's low-rank pages keep no positions, so "
+                f"a sliding window ({cfg.sliding_window}) cannot mask them; use jkv.generate"
+            )
+        if policy.segment_len != cfg.head_dim:
+            raise ValueError(
+                f"kv_policy={policy.name!r} segment_len={policy.segment_len}: the engine's "
+                f"low-rank pages hold {cfg.head_dim} tokens (head_dim); set "
+                f"segment_len={cfg.head_dim}"
+            )
+        rank = policy_rank(policy, cfg.head_dim)
+        if rank > page // 2:
+            raise ValueError(
+                f"kv_policy={policy.name!r} max_rank={policy.max_rank} (rank {rank}): a low-rank "
+                f"page of {page} rows holds a rank of at most {page // 2} (page_size // 2)"
+            )
+
     def _ends_compression(self, r) -> bool:
         """Whether `r`'s step (on the flattened step) ends a prompt its policy compresses (its
         selection follows the step, `_select`)."""
@@ -103,6 +131,10 @@ class PolicySteps:
             self._select_rows(ending[i : i + SELECT_ROWS], policy, kept)
 
     def _select_rows(self, ending, policy, kept) -> None:
+        if policy.rebuilds:  # the segment rebuild: a row at a time (its dense temporaries)
+            for r in ending:
+                self._rebuild_segments(r, policy, kept)
+            return
         replayed = self._replay(ending) if policy.needs_replay else None
         if not ending:
             return  # every row waits: the replay's room preempted them
@@ -133,6 +165,25 @@ class PolicySteps:
             c = counts[i].reshape(-1).tolist()
             ring = None if first is None else first[i, : c[0]].tolist()
             kept[r.seq.request_id] = (src, i, c, ring)
+
+    def _rebuild_segments(self, r, policy, kept) -> None:
+        """The segment rebuild of `r`'s prompt (`jkv.engine.rebuild`), its ordinary slots and
+        low-rank pages per head into `kept` for `_compress`."""
+        rows, tokens, positions = pack_select(
+            [r], self.rows, self.scheduler.group, self.pool.page_size, policy.window
+        )
+        own = self._rows[r.seq.request_id].req.policy
+        budgets = np.zeros((len(rows.held),), np.int32)
+        budgets[0] = own.budget_tokens(len(r.seq.prompt))
+        queries = programs.call(window_queries, self.params.weights, self.params.config,
+                                self.device, rows, tokens, positions, backend=self.backend,
+                                dtype=self.kv_dtype)  # fmt: skip
+        rows = rebuild_rows(rows, len(r.seq.prompt), self.pool.page_size)
+        with factoring(policy):
+            built = programs.call(paged_rebuild, self.params.config, self.device, rows, queries,
+                                  positions, budgets, backend=self.backend, policy=policy)  # fmt: skip
+            counts, segments = to_host(built.counts)[0], to_host(built.segments)[0]
+        kept[r.seq.request_id] = (built, counts.reshape(-1).tolist(), segments.reshape(-1).tolist())
 
     def _replay(self, ending):
         """`[SELECT_ROWS, L, K, W]` float32: KVzip's slot scores of each row in `ending` by
@@ -182,7 +233,25 @@ class PolicySteps:
             ]
         return out
 
-    def _compress(self, seq, src, row, counts, ring=None) -> None:
+    def _compress(self, seq, *kept) -> None:
+        if isinstance(kept[0], Rebuilt):
+            self._write_rebuilt(seq, *kept)
+        else:
+            self._compact(seq, *kept)
+
+    def _write_rebuilt(self, seq, built, counts, segments) -> None:
+        """A segment rebuild made physical: its ordinary slots in the fewest blocks, then its
+        low-rank pages (`Scheduler.compress`), the rest back to the pool."""
+        if self.scheduler.compress_or_preempt(seq, counts, lowrank=segments) is None:
+            return  # preempted for lack of pages: recomputed later
+        self._sync_rows()
+        table = np.zeros(self.rows.width, np.int32)
+        table[: len(seq.blocks)] = seq.blocks
+        n_ordinary = np.int32(seq.n_prefix - seq.n_lowrank)
+        self.device = programs.call(write_rebuilt, self.device, built, np.int32(0), table,
+                                    n_ordinary, dtype=self.kv_dtype)  # fmt: skip
+
+    def _compact(self, seq, src, row, counts, ring=None) -> None:
         """The policy's selection made physical: each head's kept tokens move into the fewest
         pages (`Scheduler.compress`), the rest go back to the pool; `ring`: a StreamingLLM
         ring's kept positions in slot order (its host side starts from them)."""

@@ -129,7 +129,7 @@ def pack_ragged(plan_rows, row_tables: RowTables, group: int, page: int, most: i
     tables = np.zeros((b, row_tables.width), np.int32)
     tables[: len(slots)] = row_tables.table[slots]
     base = np.zeros((b, group), np.int32)
-    n_prefix, held = np.zeros(b, np.int32), np.zeros(b, np.int32)
+    n_prefix, held, lowrank = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
     q_start, q_len = np.zeros(b, np.int32), np.zeros(b, np.int32)
     tok_row, tok_slot = np.full(t, b, np.int32), np.zeros(t, np.int32)
     tokens, positions = np.zeros(t, np.int32), np.zeros(t, np.int32)
@@ -139,7 +139,7 @@ def pack_ragged(plan_rows, row_tables: RowTables, group: int, page: int, most: i
     at = 0
     for i, r in enumerate(plan_rows):
         n = r.n
-        base[i], n_prefix[i], held[i] = r.base, r.n_prefix, r.held
+        base[i], n_prefix[i], held[i], lowrank[i] = r.base, r.n_prefix, r.held, r.n_lowrank
         if r.raw_sink is not None:
             raw[i], sink[i], shift[i] = True, r.raw_sink, r.shift
         if r.mass_rule is not None:  # H2O: its queries add mass
@@ -156,5 +156,5 @@ def pack_ragged(plan_rows, row_tables: RowTables, group: int, page: int, most: i
     heavy = MassRows(on, evict, limit, recent, protect, importance) if mass else None
     rows = PagedRows(tables, base, n_prefix, held, q_start, q_len, tok_row, tok_slot,
                      np.int32(num_decode), np.int32(len(plan_rows)), raw, sink, shift,
-                     heavy)  # fmt: skip
+                     heavy, lowrank)  # fmt: skip
     return rows, tokens, positions

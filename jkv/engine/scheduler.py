@@ -156,7 +156,7 @@ class Scheduler:
         # before the blocks it depends on (vLLM frees in reverse order too).
         self.pool.release(seq.blocks[::-1])
         seq.blocks, seq.epoch = [], next(EPOCHS)
-        seq.n_prefix, seq.base, seq.prefix_pages = 0, None, 0
+        seq.n_prefix, seq.base, seq.prefix_pages, seq.n_lowrank = 0, None, 0, 0
         seq.num_computed = seq.num_cached = seq.shared_blocks = seq.published = 0
         seq.compressed = False  # recomputed from its tokens, it is compressed again
         seq.ring_count, seq.ring_window = 0, None
@@ -340,7 +340,7 @@ class Scheduler:
         seq.published = full
 
     def compress(
-        self, seq: Sequence, kept, *, reclaim: bool = False
+        self, seq: Sequence, kept, *, reclaim: bool = False, lowrank=None
     ) -> tuple[list[int], list[int]]:
         """A KV policy kept `kept[h]` tokens of head h (h = layer * num_kv_heads + kv head):
         the first blocks become its prefix, each head's kept tokens in order in its own column
@@ -351,6 +351,9 @@ class Scheduler:
         `reclaim`: then a cached block only this sequence holds leaves the prefix cache and is
         reused.
 
+        `lowrank`: the segment rebuild's low-rank pages per head; they take the blocks after
+        the kept tokens' (`n_lowrank` of them, a head's j-th page in the j-th), still the prefix.
+
         Returns (old blocks, new blocks) for the runner's copy. Raises OutOfPages, changing
         nothing, if the pool cannot give the fresh pages."""
         kept = [int(k) for k in kept]
@@ -360,8 +363,11 @@ class Scheduler:
             )
         page, pool, old = self.pool.page_size, self.pool, seq.blocks
         slots = [seq.limit] * self.group if seq.limit is not None else kept
-        n_prefix = -(-max(slots) // page)
-        cols = [[s > j * page for s in slots] for j in range(n_prefix)]  # per prefix block
+        lowrank = [0] * self.group if lowrank is None else [int(x) for x in lowrank]
+        n_kept, n_low = -(-max(slots) // page), max(lowrank)
+        n_prefix = n_kept + n_low
+        cols = [[s > j * page for s in slots] for j in range(n_kept)]  # per prefix block
+        cols += [[x > j for x in lowrank] for j in range(n_low)]
         reuse = [
             j < len(old) and pool.refs[old[j]] == 1 and (reclaim or not pool.is_cached(old[j]))
             for j in range(n_prefix)
@@ -386,7 +392,7 @@ class Scheduler:
         reused = {old[j] for j in range(n_prefix) if reuse[j]}
         pool.release([b for b in old[::-1] if b not in reused])
         seq.blocks, seq.epoch = new, next(EPOCHS)
-        seq.n_prefix, seq.base = n_prefix, kept
+        seq.n_prefix, seq.base, seq.n_lowrank = n_prefix, kept, n_low
         seq.prefix_pages = sum(sum(c) for c in cols)
         seq.compressed, seq.shared_blocks = True, 0
         return old, new
@@ -406,18 +412,18 @@ class Scheduler:
                     return False
         return True
 
-    def compress_or_preempt(self, seq: Sequence, kept):
+    def compress_or_preempt(self, seq: Sequence, kept, lowrank=None):
         """`compress`, preempting the newest other running sequences while the pool lacks the
         fresh pages; with none left to preempt, `seq` itself waits to be recomputed. Returns the
         (old, new) blocks, or None if `seq` was preempted. Short of pages it first gives up the
         prefix cache's copies of blocks only it holds (`reclaim`), which needs no fresh page."""
         while True:
             try:
-                return self.compress(seq, kept)
+                return self.compress(seq, kept, lowrank=lowrank)
             except OutOfPages:
                 pass
             try:
-                return self.compress(seq, kept, reclaim=True)
+                return self.compress(seq, kept, reclaim=True, lowrank=lowrank)
             except OutOfPages:
                 victim = next((s for s in reversed(self.running) if s is not seq), seq)
                 self._preempt(victim)

@@ -44,6 +44,18 @@ def vote_window(policy) -> int:
     return policy.window if policy.observes and not policy.wants_mass else 0
 
 
+def prompt_slots(rows: PagedRows, page: int, num_kv_heads: int):
+    """The slots of E rows whose uncompressed prompts (`rows.held` tokens) are in the pool:
+    (`Rows` for `token_index`, every slot `[E, K, S]`, lengths `[E, K]`, which slots hold a
+    token `[E, K, S]`), S the rows' table width in slots."""
+    e, kh = rows.tables.shape[0], num_kv_heads
+    s = rows.tables.shape[1] * page
+    index_rows = Rows(rows.tables, rows.base, rows.n_prefix, rows.held, jnp.zeros(e, bool))
+    dense = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (e, kh, s))
+    lengths = jnp.broadcast_to(rows.held[:, None], (e, kh))
+    return index_rows, dense, lengths, dense < lengths[..., None]
+
+
 def key_norms(pool: PagedKV, at, lengths) -> jax.Array:
     """`[E, K, S]` float32 L1 norm of the key stored at pool tokens `at` `[E, K, S]` (0 at and
     past `lengths` `[E, K]`), `KEY_BLOCK` slots at a time."""
@@ -115,13 +127,9 @@ def paged_select(
       StreamingLLM ring's, whose heads all keep the same).
     """
     nl, kh = config.num_layers, config.num_kv_heads
-    e = rows.tables.shape[0]
-    s = rows.tables.shape[1] * pool.page_size
     kernels = ops(backend)
-    index_rows = Rows(rows.tables, rows.base, rows.n_prefix, rows.held, jnp.zeros(e, bool))
-    dense = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (e, kh, s))
-    lengths = jnp.broadcast_to(rows.held[:, None], (e, kh))
-    live = dense < lengths[..., None]
+    e = rows.tables.shape[0]
+    index_rows, dense, lengths, live = prompt_slots(rows, pool.page_size, kh)
     flat = lambda x: x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])  # noqa: E731
     ctx = Context(prompt_lengths=rows.held, budgets=budgets, now=rows.held - 1, num_layers=nl,
                   sensitivity=sensitivity)  # fmt: skip

@@ -50,6 +50,7 @@ class Sequence:
     # `blocks` as the last step's plan took them, with their epoch (`plan_blocks`)
     _planned: tuple[int, tuple[int, ...]] = dataclasses.field(default=(0, ()), repr=False)
     n_prefix: int = 0  # compressed: leading blocks holding each head's kept tokens
+    n_lowrank: int = 0  # of them, the last ones: the segment rebuild's low-rank pages
     base: list[int] | None = None  # compressed: kept tokens per head (L * K of them)
     prefix_pages: int = 0  # compressed: pages its prefix blocks hold (holes excluded)
     hashes: list[bytes] = dataclasses.field(default_factory=list)  # its prompt's block hashes

@@ -8,6 +8,7 @@ calls with the same shapes find): nothing runs, nothing is written."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -18,6 +19,7 @@ from jkv.core.sampling import SamplingArrays
 from jkv.engine import programs
 from jkv.engine.policy_steps import sensitivity_buckets, sensitivity_pass
 from jkv.engine.ragged import flat_logits, most_tokens, sample_rows, token_buckets
+from jkv.engine.rebuild import paged_rebuild, rebuild_buckets, write_rebuilt
 from jkv.engine.replay import pack_replay, replay_piece, replay_span
 from jkv.engine.runner import bucket, compact, set_rows
 from jkv.engine.select import SELECT_ROWS, paged_select, vote_window, window_queries
@@ -54,7 +56,13 @@ class Warmup:
         keys = []
         for p in kv_policies:
             policy = resolve(p, None) if isinstance(p, str) else p
-            self._check_policy(policy)
+            try:
+                self._check_policy(policy)
+            except ValueError:
+                if not (isinstance(p, str) and policy.rebuilds):
+                    raise
+                continue  # by name, at its defaults (segment_len 64), refused on this model
+
             if policy.jit_key() not in keys:
                 keys.append(policy.jit_key())
         rows = [1 << i for i in range(bucket(self.scheduler.max_running).bit_length())]
@@ -71,10 +79,17 @@ class Warmup:
             for w in windows
             for b in select_rows
         ]
+        picks = [k for k in keys if not k.rebuilds]
         jobs += [  # the first policy's compacts what it kept, too (every policy's the same)
             (f"{k.name} selection {b} rows", lambda k=k, b=b, i=i: self._warm_select(k, b, i == 0))
-            for i, k in enumerate(keys)
+            for i, k in enumerate(picks)
             for b in select_rows
+        ]
+        jobs += [  # the segment rebuild: a row at a time, per bucket of its prompt's blocks
+            (f"{k.name} rebuild x {c} blocks", lambda k=k, c=c: self._warm_rebuild(k, c))
+            for k in keys
+            if k.rebuilds
+            for c in rebuild_buckets(self.rows.width)
         ]
         if any(k.needs_replay for k in keys):  # KVzip's replay: one piece per span
             width = self.rows.width * self.pool.page_size
@@ -106,7 +121,8 @@ class Warmup:
         if self.attention_mass:
             mass = MassRows(np.zeros(b, bool), np.zeros(b, bool), np.ones(b, np.int32), z(b),
                             z(b), np.zeros(b, bool))  # fmt: skip
-        idle = self._idle(b, t, raw=np.zeros(b, bool), sink=z(b), shift=z(b), mass=mass)
+        idle = self._idle(b, t, raw=np.zeros(b, bool), sink=z(b), shift=z(b), mass=mass,
+                          lowrank=z(b))  # fmt: skip
         probe = Request.build(self.params)
         sampling = SamplingArrays.build([probe.sampling] * b, [probe.seed] * b)
         args = (self.params.weights, self.params.config, self.pool_spec(), idle, z(t), z(t),
@@ -150,6 +166,22 @@ class Warmup:
             src = jax.eval_shape(lambda: paged_select(*args, backend=self.backend, policy=key))[0]
             g = self.scheduler.group
             programs.compile(compact, self.pool_spec(), src, z(self.rows.width), z(g), np.int32(0))
+
+    def _warm_rebuild(self, key, cols: int) -> None:
+        """The segment rebuild of `key` over one row's `cols` blocks, and its write."""
+        t = bucket(key.window)
+        z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+        queries = jax.eval_shape(
+            lambda: window_queries(*self._queries_args(1, t), backend=self.backend,
+                                   dtype=self.kv_dtype)
+        )  # fmt: skip
+        idle = self._idle(1, t)
+        rows = dataclasses.replace(idle, tables=idle.tables[:, :cols])
+        args = (self.params.config, self.pool_spec(), rows, queries, z(t), z(1))
+        programs.compile(paged_rebuild, *args, backend=self.backend, policy=key)
+        built = jax.eval_shape(lambda: paged_rebuild(*args, backend=self.backend, policy=key))
+        programs.compile(write_rebuilt, self.pool_spec(), built, np.int32(0), z(self.rows.width),
+                         np.int32(0), dtype=self.kv_dtype)  # fmt: skip
 
     def _replay_scores(self):
         cfg, width = self.params.config, self.rows.width * self.pool.page_size

@@ -85,6 +85,12 @@ class KVPolicy:
     # while decoding nor rebuilding; the engine's rings (StreamingLLM, H2O) set it themselves
     served: ClassVar[bool] = True
 
+    @property
+    def rebuilds(self) -> bool:
+        """Its `rebuild` replaces the cache (the segment rebuild), rather than `keep` choosing
+        slots of it."""
+        return type(self).rebuild is not KVPolicy.rebuild
+
     def __init_subclass__(cls, **kwargs):
         """A subclass naming itself (`name`) is a policy by that name (`jkv.policies.POLICIES`,
         `kv_policy="<name>"`): one file under jkv/policies/ is a plugin."""

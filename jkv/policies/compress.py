@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import threading
@@ -80,10 +81,19 @@ def compress(
 _FACTORING = threading.Lock()
 
 
+@contextlib.contextmanager
+def factoring(policy):
+    """Holds the process's factoring lock while a program of `policy` that factors the cache
+    (an SVD) on the CPU runs; the caller waits for its results inside."""
+    if not (policy.factorises and jax.default_backend() == "cpu"):
+        yield
+        return
+    with _FACTORING:
+        yield
+
+
 def compress_alone(weights, config, state, *args, policy, **kw) -> kvlib.KVState:
     """`compress`; when the policy factors the cache (an SVD) on the CPU, one such program at a
     time in this process, waited for before the next may start."""
-    if not (policy.factorises and jax.default_backend() == "cpu"):
-        return compress(weights, config, state, *args, policy=policy, **kw)
-    with _FACTORING:
+    with factoring(policy):
         return jax.block_until_ready(compress(weights, config, state, *args, policy=policy, **kw))

@@ -222,6 +222,7 @@ class SnapKVSegments(SnapKV):
 
     name: ClassVar[str] = "snapkv_segments"
     factorises: ClassVar[bool] = True
+    served: ClassVar[bool] = True  # jkv.Engine: ordinary slots and low-rank pages (engine.rebuild)
 
     budget: int | float = 256
     sink: int = 4

@@ -14,7 +14,16 @@ import jkv
 from jkv.compile_time import programs_built
 from jkv.engine.engine import Engine
 from jkv.engine.runner import compact
-from jkv.policies import H2O, AdaKV, EffiCache, PyramidKV, Quantile, SnapKV, StreamingLLM
+from jkv.policies import (
+    H2O,
+    AdaKV,
+    EffiCache,
+    PyramidKV,
+    Quantile,
+    SnapKV,
+    SnapKVSegments,
+    StreamingLLM,
+)
 
 
 @pytest.fixture(scope="module")
@@ -161,14 +170,17 @@ def test_a_compressed_request_may_start_from_cached_pages(demo):
 def test_no_step_compiles_after_warmup_with_policies(demo):
     """Warmed for EffiCache (SnapKV's votes, then its gradient pass per prompt bucket), H2O
     (its mass write-back) and StreamingLLM (the flattened step with rings): requests of each
-    and of the full cache, at other budgets, compile nothing."""
+    and of the full cache, at other budgets, compile nothing; nor does the segment rebuild
+    (its rebuild per bucket of the prompt's blocks, and its write)."""
     engine = Engine(demo, num_pages=64, page_size=16, chunk=8, max_running=1, max_model_len=32,
                     attention_mass=True)  # fmt: skip
-    engine.warmup(kv_policies=[H2O(budget=8, recent=2), EffiCache(window=8), RING])
+    segments = SnapKVSegments(window=8, segment_len=16)
+    engine.warmup(kv_policies=[H2O(budget=8, recent=2), EffiCache(window=8), RING, segments])
     before = programs_built()
     rng = random.Random(1)
     for policy in (EffiCache(budget=0.5, window=8), EffiCache(budget=5, window=8), None,
-                   H2O(budget=6, recent=2), StreamingLLM(budget=7, sink=4)):  # fmt: skip
+                   H2O(budget=6, recent=2), StreamingLLM(budget=7, sink=4),
+                   SnapKVSegments(budget=4, window=8, segment_len=16)):  # fmt: skip
         prompts = [[rng.randrange(3, 100) for _ in range(rng.randint(9, 20))] for _ in range(2)]
         engine.generate(prompts, max_new_tokens=4, kv_policy=policy)
     assert programs_built() == before
@@ -178,8 +190,6 @@ def test_policies_the_engine_does_not_serve_get_clear_errors(demo):
     engine = Engine(demo, num_pages=64, page_size=8, chunk=16)
     with pytest.raises(ValueError, match=r"kv_policy='h2o' evicts by attention mass.*attention_m"):
         engine.add_request([5, 6, 7], kv_policy="h2o", kv_budget=8)
-    with pytest.raises(ValueError, match="kv_policy='snapkv_segments'.*one-shot path"):
-        engine.add_request([5, 6, 7], kv_policy="snapkv_segments", kv_budget=8)
     with pytest.raises(ValueError, match="window=32: its observation window must run in one"):
         engine.add_request([5, 6, 7], kv_policy="snapkv", kv_budget=8)
     with pytest.raises(ValueError, match="kv_policy='snapkv' chunked=True.*one-shot path"):

@@ -19,6 +19,7 @@ import pytest
 from jkv_kernels.decode_attention import decode_attention_reference
 from jkv_kernels.kv_quantize import quantize_reference
 from jkv_kernels.ragged_paged_attention import (
+    WEIGHT_SHIFT,
     ragged_paged_attention,
     ragged_paged_attention_reference,
     ragged_paged_attention_xla,
@@ -90,7 +91,7 @@ def make_case(rng, q_lens, page, m, dtype, gaps: bool, uneven: bool = False):
     scales = {}
     if dtype == "fp8":
         (k8, ks), (v8, vs) = (quantize_reference(x[None], scale_dtype=jnp.bfloat16) for x in (k, v))
-        k, v = np.asarray(k8[0]), np.asarray(v8[0])
+        k, v = np.array(k8[0]), np.array(v8[0])
         scales = dict(k_scale=np.array(ks[0]), v_scale=np.array(vs[0]))
         scales["k_scale"][~live] = np.nan
         scales["v_scale"][~live] = np.nan
@@ -133,24 +134,106 @@ def numpy_reference(a, window=None):
                 slots = [s for s in range(a["lengths"][r, kv]) if not lo <= s < hi]
                 pages = [a["page_table"][r, kv, s // page] for s in slots]
                 offs = [s % page for s in slots]
-                pos = np.array([a["pos_pages"][pg, o] for pg, o in zip(pages, offs, strict=True)])
+                pos = np.array(
+                    [a["pos_pages"][pg, o] for pg, o in zip(pages, offs, strict=True)], np.int64
+                )
+                log_w = np.zeros(len(pos))
+                if a.get("weights"):  # a merged slot: weight - 1 above WEIGHT_SHIFT
+                    log_w = np.log((pos >> WEIGHT_SHIFT) + 1.0)
+                    pos = pos % (1 << WEIGHT_SHIFT)
                 ok = pos <= a["q_positions"][t]
                 if window is not None:
                     ok &= a["q_positions"][t] - pos < window
-                if not ok.any():
-                    continue
-                kk = np.stack([k[pg, o] for pg, o in zip(pages, offs, strict=True)])
+                kk = np.stack([k[pg, o] for pg, o in zip(pages, offs, strict=True)] or [k[0, 0]])
+                kk, vv = (
+                    kk[: len(pages)],
+                    np.stack([v[pg, o] for pg, o in zip(pages, offs, strict=True)] or [v[0, 0]])[
+                        : len(pages)
+                    ],
+                )
                 if a.get("rope") is not None and a["rope"][0][r]:
                     _, sink, shift, inv_freq = a["rope"]
                     ranks = np.where(pos < sink[r], pos, pos - shift[r])
                     kk = np.stack([rotated(x, y, inv_freq) for x, y in zip(kk, ranks, strict=True)])
-                kk = kk[ok]
-                vv = np.stack([v[pg, o] for pg, o in zip(pages, offs, strict=True)])[ok]
+                kk, vv, log_w = kk[ok], vv[ok], log_w[ok]
+                if a.get("lowrank") is not None:  # each low-rank page's tokens: C^T.T @ B
+                    start, count = a["lowrank"]
+                    rank = a["lowrank_rank"]
+                    for i in range(count[r]):
+                        pg = a["page_table"][r, kv, start[r] + i]
+                        held = a["pos_pages"][pg, 0]
+                        kk = np.concatenate([kk, (k[pg, rank:].T @ k[pg, :rank])[:held]])
+                        vv = np.concatenate([vv, (v[pg, rank:].T @ v[pg, :rank])[:held]])
+                        log_w = np.concatenate([log_w, np.zeros(held)])
+                if not len(kk):
+                    continue
                 for g in range(G):
-                    z = kk @ q[t, kv * G + g] * H**-0.5
+                    z = kk @ q[t, kv * G + g] * H**-0.5 + log_w
                     w = np.exp(z - z.max())
                     out[t, kv * G + g] = (w / w.sum()) @ vv
     return out
+
+
+def with_segments(rng, a, rank):
+    """`a` (built with gaps) as the segment rebuild leaves rows: in each row with a gap, some
+    prefix slots are merged (weight 2 or 3, in their positions) and 1-3 low-rank pages sit in
+    its gap before the tail (a basis of `rank` rows, then the coefficients of H tokens, the
+    columns past the page's count poisoned)."""
+    page = a["k_pages"].shape[1]
+    assert page == 2 * rank  # one block of coefficients: H tokens a page
+    r, kh, m = a["page_table"].shape
+    k, v = (np.asarray(jnp.asarray(a[x]).astype(jnp.float32)) for x in ("k_pages", "v_pages"))
+    if "k_scale" in a:
+        k = k * np.asarray(jnp.asarray(a["k_scale"]).astype(jnp.float32))[..., None]
+        v = v * np.asarray(jnp.asarray(a["v_scale"]).astype(jnp.float32))[..., None]
+    pos = a["pos_pages"].copy()
+    poison = []  # (page, first unheld token) of each low-rank page
+    count = np.where(a["gaps"][:, 0, 1] > 0, rng.integers(1, 4, r), 0).astype(np.int32)
+    count[np.argmax(a["gaps"][:, 0, 1] > 0)] = 3  # a row with three
+    start = (a["gaps"][:, :, 1].max(axis=1) // page).astype(np.int32)  # the row's prefix end
+    width = m + int(count.max()) + int((start[:, None] - a["gaps"][:, :, 1] // page).max())
+    table = np.zeros((r, kh, width), np.int32)
+    lengths, gaps = a["lengths"].copy(), a["gaps"].copy()
+    new_k, new_v, new_pos = [k], [v], [pos]
+    p = k.shape[0]
+    for i in range(r):
+        for j in range(kh):
+            lo, hi = gaps[i, j]
+            col = hi // page
+            # the prefix ends at the row's longest head's: pages of nothing up to there
+            extra = list(rng.integers(0, p, start[i] - col))
+            for _ in range(count[i]):
+                kp, vp = (rng.standard_normal((page, H)).astype(np.float32) for _ in range(2))
+                held = int(rng.integers(1, H + 1))
+                poison.append((p, held))
+                pp = np.full((page,), POISON_POS, np.int32)
+                pp[0] = held
+                new_k.append(kp[None]), new_v.append(vp[None]), new_pos.append(pp[None])
+                extra.append(p)
+                p += 1
+            row = list(a["page_table"][i, j, :col]) + extra + list(a["page_table"][i, j, col:])
+            table[i, j] = row + [0] * (width - len(row))
+            if hi > 0:
+                gaps[i, j, 1] = (start[i] + count[i]) * page
+                lengths[i, j] += gaps[i, j, 1] - hi
+                merged = [s for s in range(lo) if rng.random() < 0.4]
+                for s in merged:
+                    pg, o = a["page_table"][i, j, s // page], s % page
+                    pos[pg, o] += int(rng.integers(1, 3)) << WEIGHT_SHIFT
+    k, v = np.concatenate(new_k), np.concatenate(new_v)
+    pos = np.concatenate(new_pos)
+    out = dict(a, page_table=table, lengths=lengths, gaps=gaps, pos_pages=pos, weights=True,
+               lowrank=(start, count), lowrank_rank=rank)  # fmt: skip
+    if "k_scale" in a:  # fp8: every page quantised as the pool stores tokens (a scale a row)
+        (k8, ks), (v8, vs) = (quantize_reference(x[None], scale_dtype=jnp.bfloat16) for x in (k, v))
+        k, v = np.array(k8[0]), np.array(v8[0])
+        out.update(k_scale=np.asarray(ks[0]), v_scale=np.asarray(vs[0]))
+    else:
+        k, v = k.astype(a["k_pages"].dtype), v.astype(a["k_pages"].dtype)
+    for pg, held in poison:  # the coefficients of tokens a page does not hold
+        k[pg, rank:, held:] = np.nan
+        v[pg, rank:, held:] = np.nan
+    return dict(out, k_pages=k, v_pages=v)
 
 
 CASES = [  # (query lengths per row, page, pages per row, dtype, gaps, window)
@@ -277,4 +360,45 @@ def test_pallas_kernel_lowers_for_cuda(rng, lower_for_cuda, dtype, gaps, window)
     a = {name: (jnp.asarray(x) if x is not None else None) for name, x in a.items()}
     text = lower_for_cuda(functools.partial(ragged_paged_attention, sliding_window=window,
                                             interpret=False), **a)  # fmt: skip
+    assert "jkv_ragged_paged_attention" in text
+
+
+@pytest.mark.parametrize("dtype", ["f32", "fp8"])
+def test_merged_slots_and_low_rank_pages(rng, rel_err, dtype):
+    """The segment rebuild's rows: merged prefix slots weigh their tokens (log weight added to
+    their logits) and low-rank pages in the gap join each head's softmax, expanded from their
+    factors (tokens past a page's count, poisoned, never read), by the reference and the XLA
+    path as the numpy loop says; without the weights or the pages the output differs."""
+    a = with_segments(rng, make_case(rng, [1, 1, 1, 6, 1, 3], 8, 5, dtype, True), rank=4)
+    assert a["lowrank"][1].max() == 3 and a["lowrank"][1].sum() > 3
+    ref = ragged_paged_attention_reference(**a)
+    assert not np.isnan(np.asarray(ref)).any()
+    assert rel_err(ref, numpy_reference(a)) < 1e-5
+    plain = {**a, "weights": False}
+    assert rel_err(ref, numpy_reference(plain)) > 1e-2  # the weights change the output
+    assert rel_err(ref, numpy_reference({**a, "lowrank": None})) > 1e-2  # and the pages
+    n_dec = 4
+    order = np.argsort([n != 1 for n in a["q_len"]], kind="stable")
+    b = {**a, "lowrank": tuple(x[order] for x in a["lowrank"])}
+    for name in ("page_table", "lengths", "q_start", "q_len", "gaps"):
+        b[name] = a[name][order]
+    out = ragged_paged_attention_xla(**b, num_decode=n_dec, num_rows=6, q_tile=4, row_tile=2,
+                                     pages_per_step=2)  # fmt: skip
+    assert not np.isnan(np.asarray(out)).any()
+    assert rel_err(out, ref) < 1e-5
+    got = ragged_paged_attention(**a, q_tile=4, interpret=True, _fill=float("nan"))
+    t = int(np.sum(a["q_len"]))
+    got = np.asarray(got)
+    assert not np.isnan(got[:t]).any(), "a token of a row was left unwritten"
+    assert rel_err(got[:t], np.asarray(ref)[:t]) < {"f32": 1e-5, "fp8": 1e-2}[dtype]
+
+
+def test_merged_slots_and_low_rank_pages_lower_for_cuda(rng, lower_for_cuda):
+    a = with_segments(rng, make_case(rng, [1, 1, 9, 1], 16, 4, "bf16", True), rank=8)
+    a["q"] = jnp.asarray(a["q"]).astype(jnp.bfloat16)
+    a = {n: (jnp.asarray(x) if isinstance(x, np.ndarray) else x) for n, x in a.items()}
+    a["lowrank"] = tuple(jnp.asarray(x) for x in a["lowrank"])
+    static = {n: a.pop(n) for n in ("weights", "lowrank_rank")}
+    text = lower_for_cuda(functools.partial(ragged_paged_attention, interpret=False, **static),
+                          **a)  # fmt: skip
     assert "jkv_ragged_paged_attention" in text

@@ -11,7 +11,7 @@ import pytest
 from server_harness import Running, small_engine
 
 import jkv
-from jkv.policies import KVzip, SnapKV
+from jkv.policies import KVzip, SnapKV, SnapKVSegments
 from jkv.serve.server import Server
 
 PROMPT = "The code for Valentin is 9 3 3 7 8 . The code for Mara is 1 2 4 4 0 ."
@@ -154,6 +154,24 @@ def test_kvzip_is_served_with_the_tokens_of_the_request_alone(running, demo_para
     bad = post(running, "/v1/completions", {"model": "jkv-demo", "prompt": prompt,
                                             "kv_policy": {"name": "kvzip", "replaying": True}})  # fmt: skip
     assert bad.status_code == 400 and "replaying=True" in bad.json()["error"]["message"], bad.text
+
+
+def test_the_segment_rebuild_is_served_with_the_tokens_of_the_request_alone(running, demo_params):
+    """snapkv_segments in the server's engine (its ordinary slots and low-rank pages in the
+    row's prefix): the answer is `jkv.generate`'s for the same request alone; a segment length
+    the engine's pages do not hold is 400 naming it."""
+    prompt = (PROMPT + " ") * 3 + "what is the code for Mara ?"
+    fields = {"name": "snapkv_segments", "segment_len": 32, "window": 16}
+    r = post(running, "/v1/completions", {"model": "jkv-demo", "prompt": prompt, "max_tokens": 8,
+                                          "temperature": 0, "kv_policy": fields,
+                                          "kv_budget": 0.25})  # fmt: skip
+    assert r.status_code == 200, r.text
+    policy = SnapKVSegments(budget=0.25, segment_len=32, window=16)
+    want = jkv.generate(demo_params, prompt, max_new_tokens=8, kv_policy=policy)
+    assert r.json()["choices"][0]["text"] == want.text
+    bad = post(running, "/v1/completions", {"model": "jkv-demo", "prompt": prompt,
+                                            "kv_policy": {**fields, "segment_len": 64}})  # fmt: skip
+    assert bad.status_code == 400 and "segment_len=64" in bad.json()["error"]["message"], bad.text
 
 
 POLICY_ERRORS = [  # (jkv fields, param, words of the message)

@@ -21,7 +21,8 @@ pytestmark = [
     pytest.mark.slow,
 ]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-POLICIES = [None, "snapkv", "pyramidkv", "adakv", "efficache", "quantile", "streaming", "kvzip"]
+POLICIES = [None, "snapkv", "pyramidkv", "adakv", "efficache", "quantile", "streaming", "kvzip",
+            "snapkv_segments"]  # fmt: skip
 STORY = "Ada keeps her bicycle in the blue shed behind the library, next to the old oak. "
 
 
