@@ -358,28 +358,31 @@ def ragged_paged_attention_xla(
         acc = acc * alpha[..., None] + jnp.einsum("wkgqs,wksh->wkgqh", p, vb)
         return m_new, l_, acc
 
-    def low_pages(row, qt, valid_q, carry):
-        """Flash steps over the low-rank pages of one row `row` (a `[1]` array), a page at a
-        time, for its queries `qt` `[1, Q, K, G, H]`: they precede every query."""
+    def low_pages(rows, qt, valid_q, carry):
+        """Flash steps over the low-rank pages of `rows` `[W]` (their queries `qt` `[W, Q, K,
+        G, H]`, `valid_q` `[W, Q]`), a page of every row at a time, as many as the row with
+        most has (none: no trip); they precede every query."""
         if lowrank is None:
             return carry
-        r0 = jnp.minimum(row[0], r_all - 1)
+        r0 = jnp.minimum(rows, r_all - 1)
         lo = lowrank[0][r0]
+        count = jnp.where(rows < r_all, lowrank[1][r0], 0)  # [W]
 
         def one(i, carry):
-            pages = table[r0, :, jnp.clip(lo + i, 0, m - 1)]  # [K]
+            col = jnp.clip(lo + i, 0, m - 1)  # [W]
+            pages = table[r0[:, None], jnp.arange(kh)[None, :], col[:, None]]  # [W, K]
             kp, vp = k_pages[pages].astype(f32), v_pages[pages].astype(f32)
             if k_scale is not None:
                 kp = kp * k_scale[pages].astype(f32)[..., None]
                 vp = vp * v_scale[pages].astype(f32)[..., None]
-            kb, vb = lowrank_tokens(kp, vp, lowrank_rank)  # [K, C*H, H]
-            stored = jnp.arange(kb.shape[1]) < pos_pages[pages, 0][:, None]  # [K, C*H]
-            vis = stored[None, :, None, :] & valid_q[:, None, :, None]
+            kb, vb = lowrank_tokens(kp, vp, lowrank_rank)  # [W, K, C*H, H]
+            held = jnp.where(i < count[:, None], pos_pages[pages, 0], 0)  # [W, K]
+            stored = jnp.arange(kb.shape[2]) < held[..., None]  # [W, K, C*H]
+            vis = stored[:, :, None, :] & valid_q[:, None, :, None]
             vb = jnp.where(stored[..., None], vb, 0.0)
-            return flash(carry, qt, kb[None], vb[None], vis)
+            return flash(carry, qt, kb, vb, vis)
 
-        trips = jnp.where(row[0] < r_all, lowrank[1][r0], 0)
-        return lax.fori_loop(0, trips, one, carry)
+        return lax.fori_loop(0, jnp.max(count), one, carry)
 
     def finish(carry):
         """`[W, Q, K, G, H]` outputs of a finished carry (zeros where nothing was visible)."""
@@ -409,12 +412,12 @@ def ragged_paged_attention_xla(
             one = jax.tree.map(lambda x: lax.dynamic_slice_in_dim(x, w, 1), carry)
             one = blocks(rows[w][None], qt[w][None], qp[w][None], real[w][None, None], common,
                          n_blocks[w], one)  # fmt: skip
-            one = low_pages(rows[w][None], qt[w][None], real[w][None, None], one)
             return jax.tree.map(
                 lambda x, y: lax.dynamic_update_slice_in_dim(x, y, w, 0), carry, one
             )
 
-        res = finish(lax.fori_loop(0, row_tile, alone, carry))[:, 0]
+        carry = low_pages(rows, qt, real[:, None], lax.fori_loop(0, row_tile, alone, carry))
+        res = finish(carry)[:, 0]
         # one query per row: scattered to their tokens (padding rows to a dropped index)
         return out.at[jnp.where(real, starts, t + pad)].set(res, mode="drop")
 
