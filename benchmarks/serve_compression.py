@@ -1,6 +1,7 @@
 """Whether a smaller KV cache pays in serving: `jkv.Engine` on SmolLM2-135M-Instruct with the full
-cache beside SnapKV, StreamingLLM and KVzip keeping 25% of each prompt (and, with `--fp8`, each
-again with fp8 pages), on requests of real text with a planted number (RULER's niah_single:
+cache beside SnapKV, StreamingLLM and KVzip keeping 25% of each prompt (`--policies ... Segments`:
+the segment rebuild too, its 25% ordinary slots plus low-rank pages for the rest; and, with
+`--fp8`, each again with fp8 pages), on requests of real text with a planted number (RULER's niah_single:
 `jkv.demo.real_text`), so accuracy is measured in the same run.
 
 Two views, one run:
@@ -42,7 +43,9 @@ from jkv.demo.real_text import answered, make_needle
 from jkv.engine.engine import Engine
 from jkv.engine.runner import pool_bytes
 
-POLICIES = {"full": None, "SnapKV": "snapkv", "StreamingLLM": "streaming", "KVzip": "kvzip"}
+POLICIES = {"full": None, "SnapKV": "snapkv", "StreamingLLM": "streaming", "KVzip": "kvzip",
+            "Segments": "snapkv_segments"}  # fmt: skip
+DEFAULT = ["full", "SnapKV", "StreamingLLM", "KVzip"]  # the segment rebuild when asked for
 PAGE = 16
 
 
@@ -88,6 +91,8 @@ def same_batch(engine, prompts, policy, budget, decode_steps: int, profile=None)
     held = np.concatenate([np.asarray(s.base) if s.compressed else
                            np.full(1, s.num_computed)
                            for s in engine.scheduler.running])  # fmt: skip
+    # the pages each row holds (a rebuilt row's low-rank pages included): its memory
+    pages = [s.pages for s in engine.scheduler.running]
     built, times = programs_built(), []
     for _ in range(decode_steps):
         t0 = time.perf_counter()
@@ -104,6 +109,7 @@ def same_batch(engine, prompts, policy, budget, decode_steps: int, profile=None)
     return dict(rows=decoding, step_ms=round(1e3 * step, 1),
                 tokens_per_s=round(decoding / step, 1), built=built,
                 held_mean=round(float(held.mean()), 1), held_max=int(held.max()),
+                pages_mean=round(float(np.mean(pages)), 1),
                 steps_ms=[round(1e3 * t, 1) for t in times], profile=trace)  # fmt: skip
 
 
@@ -181,7 +187,7 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=2000, help="context tokens per request")
     ap.add_argument("--budget", type=float, default=0.25, help="the fraction a policy keeps")
-    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    ap.add_argument("--policies", nargs="+", default=DEFAULT, choices=list(POLICIES))
     ap.add_argument("--fp8", action="store_true", help="each configuration with fp8 pages too")
     ap.add_argument(
         "--kv-dtype",
@@ -255,12 +261,13 @@ def main(argv=None) -> int:
           f"CPU ({os.cpu_count()} cores)")  # fmt: skip
     print(f"\nsame batch: every request decoding, {args.decode_steps} steps timed")
     print(f"{'config':14s} {'kv':>8s} {'rows':>5s} {'step ms':>8s} {'x step':>7s} "
-          f"{'tok/s':>7s} {'built':>6s} {'held/head mean':>15s} {'max':>6s}")  # fmt: skip
+          f"{'tok/s':>7s} {'built':>6s} {'held/head mean':>15s} {'max':>6s} "
+          f"{'pages/row':>9s}")  # fmt: skip
     for r in (r for r in rows if r["view"] == "same batch"):
         print(
             f"{r['config']:14s} {r['kv_dtype'][:8]:>8s} {r['rows']:5d} {r['step_ms']:8.1f} "
             f"{r.get('x_step', float('nan')):7.2f} {r['tokens_per_s']:7.1f} {r['built']:6d} "
-            f"{r['held_mean']:15.1f} {r['held_max']:6d}"
+            f"{r['held_mean']:15.1f} {r['held_max']:6d} {r['pages_mean']:9.1f}"
         )
     for r in (r for r in rows if r["view"] == "same batch" and r["profile"]):
         p = r["profile"]

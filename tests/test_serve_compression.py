@@ -33,7 +33,7 @@ def test_serve_compression_tiny_run(tmp_path):
     report = json.loads((out / "serve_compression.json").read_text())
     rows = {(r["view"], r["config"]): r for r in report["rows"]}
     assert len(rows) == 8, sorted(rows)
-    for name in serve_compression.POLICIES:
+    for name in serve_compression.DEFAULT:
         batch, memory = rows["same batch", name], rows["same memory", name]
         assert batch["rows"] == 4 and batch["built"] == 0, batch
         assert memory["built"] == 0 and memory["correct"].endswith("/4"), memory
