@@ -125,6 +125,9 @@ def profile_step(engine, where: Path) -> dict:
         t0 = time.perf_counter()
         engine.step()
         wall = time.perf_counter() - t0
+        # what the step dispatched runs inside the trace (async scheduling returns before it;
+        # a tiny model's step could end after the trace, leaving it empty)
+        jax.block_until_ready(engine.device)
     (path,) = set(where.rglob("*.xplane.pb")) - before
     spans, thunks = [], {}
     for plane in jax.profiler.ProfileData.from_file(str(path)).planes:
@@ -142,8 +145,8 @@ def profile_step(engine, where: Path) -> dict:
         elif b > end:
             busy, end = busy + (b - end), b
     top = sorted(thunks.items(), key=lambda kv: -kv[1])[:6]
-    return dict(trace=str(path), step_ms=round(1e3 * wall, 1), xla_busy_ms=round(busy / 1e6, 1),
-                top=[(name, round(ms, 1)) for name, ms in top])  # fmt: skip
+    return dict(trace=str(path), step_ms=round(1e3 * wall, 1), xla_busy_ms=round(busy / 1e6, 3),
+                top=[(name, round(ms, 3)) for name, ms in top])  # fmt: skip
 
 
 def same_memory(engine, needles_, policy, budget, new_tokens: int) -> dict:
