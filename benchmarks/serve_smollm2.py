@@ -166,6 +166,7 @@ def main() -> None:
         if "load" in parts:
             part_load(out, args.clients, args.requests, args.peer_exe, Path(cache))
     path = Path(args.out) / "serve_smollm2.json"
+    path.parent.mkdir(parents=True, exist_ok=True)  # a new --out folder
     old = json.loads(path.read_text()) if path.is_file() else {}
     path.write_text(json.dumps({**old, **out}, indent=2) + "\n")
     print(f"wrote {path}")
