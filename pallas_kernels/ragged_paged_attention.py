@@ -349,14 +349,18 @@ def ragged_paged_attention_xla(
         z = jnp.einsum("wqkgh,wksh->wkgqs", qt, kb) * scale
         if log_w is not None:
             z = z + log_w[:, :, None, None, :]
+        return softmax_step(carry, z, vis, lambda p: jnp.einsum("wkgqs,wksh->wkgqh", p, vb))
+
+    def softmax_step(carry, z, vis, weighted):
+        """The online softmax's step for logits `z` `[W, K, G, Q, S]` where `vis`; `weighted(p)`:
+        the values summed by the probabilities `p`, `[W, K, G, Q, H]`."""
         m_, l_, acc = carry
         z = jnp.where(vis[:, :, None], z, _MASKED)
         m_new = jnp.maximum(m_, jnp.max(z, axis=-1))
         p = jnp.where(vis[:, :, None], jnp.exp(z - m_new[..., None]), 0.0)
         alpha = jnp.exp(m_ - m_new)
         l_ = l_ * alpha + jnp.sum(p, axis=-1)
-        acc = acc * alpha[..., None] + jnp.einsum("wkgqs,wksh->wkgqh", p, vb)
-        return m_new, l_, acc
+        return m_new, l_, acc * alpha[..., None] + weighted(p)
 
     def low_pages(rows, qt, valid_q, carry):
         """Flash steps over the low-rank pages of `rows` `[W]` (their queries `qt` `[W, Q, K,
@@ -375,12 +379,28 @@ def ragged_paged_attention_xla(
             if k_scale is not None:
                 kp = kp * k_scale[pages].astype(f32)[..., None]
                 vp = vp * v_scale[pages].astype(f32)[..., None]
-            kb, vb = lowrank_tokens(kp, vp, lowrank_rank)  # [W, K, C*H, H]
+            # factored, never expanded: q . k_t = (q B^T) . C^T[:, t]; sum_t p_t v_t =
+            # (sum_t p_t C_v^T[:, t]) B_v (rank x fewer multiplies than the page's tokens)
+            rank = lowrank_rank
+            chunks = page // rank - 1
+            split = lambda x: (
+                x[..., :rank, :],
+                x[..., rank : rank * (chunks + 1), :].reshape(*x.shape[:2], chunks, rank, h),
+            )  # noqa: E731
+            (basis_k, coef_k), (basis_v, coef_v) = split(kp), split(vp)
             held = jnp.where(i < count[:, None], pos_pages[pages, 0], 0)  # [W, K]
-            stored = jnp.arange(kb.shape[2]) < held[..., None]  # [W, K, C*H]
-            vis = stored[:, :, None, :] & valid_q[:, None, :, None]
-            vb = jnp.where(stored[..., None], vb, 0.0)
-            return flash(carry, qt, kb, vb, vis)
+            stored = jnp.arange(chunks * h).reshape(chunks, h) < held[..., None, None]
+            coef_v = jnp.where(stored[:, :, :, None, :], coef_v, 0.0)  # 0 x NaN is NaN
+            basis_v = jnp.where(held[..., None, None] > 0, basis_v, 0.0)  # a page not read
+            qb = jnp.einsum("wqkgh,wkrh->wkgqr", qt, basis_k)
+            z = jnp.einsum("wkgqr,wkcrt->wkgqct", qb, coef_k).reshape(*qb.shape[:4], -1) * scale
+            vis = stored.reshape(*stored.shape[:2], -1)[:, :, None, :] & valid_q[:, None, :, None]
+
+            def weighted(p):
+                pc = jnp.einsum("wkgqct,wkcrt->wkgqr", p.reshape(*p.shape[:4], chunks, h), coef_v)
+                return jnp.einsum("wkgqr,wkrh->wkgqh", pc, basis_v)
+
+            return softmax_step(carry, z, vis, weighted)
 
         return lax.fori_loop(0, jnp.max(count), one, carry)
 
