@@ -12,15 +12,13 @@ strings) are per-row data: requests with different settings share a step. With a
 scheduling (the default) a step is dispatched before the step before's tokens are read, and
 those come back from the next `step()` call (`jkv.engine.ahead`).
 
-`add_request` and `abort` are messages: from any thread (or the event loop) they are checked and
-queued, never waiting for a running step; each step starts by taking them in (vLLM's
-EngineCore input queue). When no step runs, they are taken in at once.
+`add_request` and `abort` are messages: from any thread they are checked and queued, never
+waiting for a running step; each step (or, when none runs, the call) takes them in.
 
 A step that raises fails the requests it ran (their outputs say `finish_reason="error"`; a
 stream raises `RequestFailed`), and the engine goes on: a pool whose buffers the failed step
-donated is re-created (the prefix cache's blocks that lived in it are forgotten and running
-requests recompute), books that no longer add up are rebuilt. Only when that fails too is the
-engine unhealthy (`healthy` False): every request is refused from then on.
+donated is re-created (its prefix-cache blocks forgotten, running requests recompute), books
+that no longer add up rebuilt; if that fails too, `healthy` is False and all are refused.
 
 A KV policy that selects once, after the prompt (SnapKV, PyramidKV, Ada-KV, EffiCache,
 Quantile), is a per-request setting: the prompt runs on the flattened step like a full cache's,
@@ -34,8 +32,8 @@ the recent window (H2O, chosen in the step; every query of an H2O row adds the a
 to the mass of each slot, a float32 per stored token in the pool:
 `Engine(attention_mass=True)`). KVzip's replay of the context runs over the row's own pages
 after its prompt (`jkv.engine.replay`), then it selects like the others. The segment rebuild
-stays on the one-shot path (ValueError here). The kv dtype (float32, bfloat16, or fp8 with a bfloat16 scale per token) is
-one per engine.
+writes ordinary slots and low-rank pages (`jkv.engine.rebuild`). The kv dtype (float32,
+bfloat16, or fp8 with a bfloat16 scale per token) is one per engine.
 
 Over a mesh (params loaded with `mesh=`, or `Engine(..., mesh=)`), the pool is sharded over kv
 heads on the "model" axis: each device stores one segment of the pages, a kv head's pages come
@@ -63,6 +61,7 @@ from jkv.engine.page_pool import PagePool
 from jkv.engine.policy_steps import PolicySteps
 from jkv.engine.pool_size import describe, pages_for_memory
 from jkv.engine.ragged import most_tokens, order, pack_ragged, ragged_step
+from jkv.engine.rebuild import lowrank_slots
 from jkv.engine.recovery import Recovery
 from jkv.engine.replay import scratch_tokens
 from jkv.engine.request_output import RequestOutput, Row
@@ -328,9 +327,8 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
             most = max(policy.layer_budget(i, layers, kept) for i in range(layers))
             seq.compresses, seq.window = True, getattr(policy, "window", 0)
             seq.keep = min(len(ids), most) + req.max_new_tokens
-            if policy.rebuilds:  # and its low-rank pages, a page per head_dim middle tokens
-                low = -(-policy.max_middle(len(ids)) // self.params.config.head_dim)
-                seq.keep += low * self.pool.page_size
+            if policy.rebuilds:  # and its low-rank pages
+                seq.keep += lowrank_slots(policy, len(ids), self.params.config, self.pool.page_size)
             if policy.evicts:  # a ring of `limit` slots per head once the prompt is in
                 seq.limit = policy.row_limit(len(ids))
                 seq.keep = min(seq.limit, len(ids) + req.max_new_tokens)

@@ -45,6 +45,12 @@ def policy_rank(policy, head_dim: int) -> int:
     return max(1, min(r, head_dim, policy.segment_len))
 
 
+def lowrank_slots(policy, prompt_len: int, config, page_size: int) -> int:
+    """The slots a rebuilt row's low-rank pages take at most (a page per head_dim middle
+    tokens), what admission reserves beside its ordinary slots."""
+    return -(-policy.max_middle(prompt_len) // config.head_dim) * page_size
+
+
 def rebuild_columns(prompt_len: int, page_size: int, width: int) -> int:
     """The table columns a rebuild of a `prompt_len`-token prompt reads: a power of two (one
     program per bucket, its SVDs over the bucket's slots, not the row's whole width)."""
