@@ -58,8 +58,8 @@ from jkv_kernels.prefill_attention_mass import (
 from jkv_kernels.ragged_paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
-    ragged_paged_attention_xla,
 )
+from jkv_kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
 from jkv_kernels.segment_merge import Merged, segment_merge, segment_merge_reference
 from jkv_kernels.window_scores import window_scores, window_scores_reference
 

@@ -22,8 +22,8 @@ from jkv_kernels.ragged_paged_attention import (
     WEIGHT_SHIFT,
     ragged_paged_attention,
     ragged_paged_attention_reference,
-    ragged_paged_attention_xla,
 )
+from jkv_kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
 
 KH, G, H = 2, 2, 16
 POISON_POS = 1 << 30
