@@ -170,7 +170,7 @@ LAYERS = {
 
 ENGINE_ARRAY_FILES = ("runner.py", "ragged.py", "engine.py", "warmup.py", "recovery.py",
                       "policy_steps.py", "select.py", "replay.py", "rebuild.py", "programs.py",
-                      "pool_size.py")  # fmt: skip
+                      "pool_size.py", "lockstep.py")  # fmt: skip
 
 
 def test_the_engines_bookkeeping_is_plain_python():

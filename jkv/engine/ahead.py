@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from jkv.engine.lockstep import read
 from jkv.engine.ragged import order
 from jkv.engine.sequence import Status
-from jkv.sharding import to_host
 
 PLACEHOLDER = -1  # a sampled token the host has not read back yet
 
@@ -74,7 +74,7 @@ class AsyncSteps:
         ahead = self._pending
         if ahead is None:
             return []
-        tok = to_host(ahead.tok)
+        tok = read(self.lockstep, ahead.tok)
         outs = []
         for r in ahead.scheduled:
             seq, rid = r.seq, r.seq.request_id

@@ -55,8 +55,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jkv.core.sampling import SamplingArrays
-from jkv.engine import programs
 from jkv.engine.ahead import PLACEHOLDER, Ahead, AsyncSteps
+from jkv.engine.lockstep import read, run
 from jkv.engine.page_pool import PagePool
 from jkv.engine.policy_steps import PolicySteps
 from jkv.engine.pool_size import describe, pages_for_memory
@@ -80,7 +80,7 @@ from jkv.output import RowOutput
 from jkv.params import Params
 from jkv.prompt import prompt_ids
 from jkv.request import Request
-from jkv.sharding import kv_head_parallel, to_host
+from jkv.sharding import kv_head_parallel
 
 __all__ = ["Engine", "RequestFailed", "RequestOutput"]
 
@@ -164,6 +164,9 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
             admission=admission,
         )
         self.rows = RowTables(max_running, -(-self.max_model_len // page_size) + 2)
+        # Several processes' engines over one mesh (`jkv.serve.group`): the leader's link, told
+        # of each step and of its device work (`jkv.engine.lockstep`). None: alone.
+        self.lockstep = None
         # The pool's zeros are written (a first touch of every page: seconds for GiBs) while
         # warmup traces its programs against the pool's shapes; the first use waits for it.
         self._making, self._spec = concurrent.futures.Future(), None
@@ -189,9 +192,6 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
         self._steps = 0
         self.healthy, self.health_error = True, None
         self.failures = 0  # steps that raised
-        # Several processes' engines over one mesh (`jkv.serve.group`): told of each message
-        # a step takes in, of each step (`tick`, before it) and of each plan. None: alone.
-        self.lockstep = None
         Streams.__init__(self)
 
     @property
@@ -222,8 +222,8 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
     def _empty_device(self):
         cfg, s = self.params.config, self._pool_settings
         rows = np.frombuffer(self.pool.rows, np.int32).reshape(-1, self.scheduler.group)
-        return empty_pool(cfg, s["num_pages"], s["page_size"], self.kv_dtype, rows,
-                          self.attention_mass, self.mesh)  # fmt: skip
+        return run(self.lockstep, empty_pool, cfg, s["num_pages"], s["page_size"], self.kv_dtype,
+                   rows, self.attention_mass, self.mesh)  # fmt: skip
 
     @property
     def has_work(self) -> bool:
@@ -285,11 +285,7 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
             self._known.add(rid)
         tok = self.params.tokenizer
         row = Row(req, RowOutput(tok, req.stop) if tok is not None else None)
-        call = None  # how another process's engine adds the same request (`lockstep`)
-        if self.lockstep is not None:
-            call = dict(prompt=ids, request_id=rid, cache_salt=cache_salt, reserve=reserve,
-                        **settings)  # fmt: skip
-        self._post(("add", seq, row, call))
+        self._post(("add", seq, row))
         return rid
 
     def _check_length(self, ids, req) -> None:
@@ -379,10 +375,8 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
         outs = []
         while self._inbox:
             kind, *body = self._inbox.popleft()
-            if self.lockstep is not None:  # the same message for the group's other engines
-                self.lockstep.taken(kind, body[2] if kind == "add" else body[0])
             if kind == "add":
-                seq, row, _ = body
+                seq, row = body
                 try:
                     self.scheduler.add(seq)
                 except ValueError as err:  # checked when added: only a pool rebuilt since
@@ -415,7 +409,7 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
         self._lock.acquire()
         try:
             self._deliver(self._drain())
-            if self.lockstep is not None:  # the group's other engines take the same step
+            if self.lockstep is not None:  # the group's other engines run the step's calls
                 self.lockstep.tick()
             if not self.scheduler.has_work and not self._awaited():
                 self._pending = None  # nobody waits for its tokens
@@ -423,8 +417,6 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
             plan = None
             try:
                 plan = self.scheduler.schedule() if self.scheduler.has_work else None
-                if self.lockstep is not None:
-                    self.lockstep.planned(plan)
                 if plan is not None and self._overlaps(plan):
                     ahead = self._ahead(plan)
                     outs = self._read_back()
@@ -510,7 +502,7 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
             pad_ids[: len(ids)] = ids
             pad_rows = np.zeros((n, self.scheduler.group), np.int32)
             pad_rows[: len(ids)] = rows
-            self.device = programs.call(set_rows, self.device, pad_ids, pad_rows)
+            self.device = run(self.lockstep, set_rows, self.device, pad_ids, pad_rows)
 
     def _sampling(self, scheduled, b: int):
         reqs = [self._rows[r.seq.request_id].req for r in scheduled]
@@ -521,7 +513,7 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
 
     def _run_flat(self, scheduled) -> dict[str, int]:
         """The step's rows, in one flattened step over the pool."""
-        tok = to_host(self._dispatch_flat(scheduled))
+        tok = read(self.lockstep, self._dispatch_flat(scheduled))
         self._last_samplers = {}  # read back now: no plan waits for these tokens
         return {r.seq.request_id: int(tok[i]) for i, r in enumerate(scheduled) if r.samples}
 
@@ -540,10 +532,10 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
         for t in np.flatnonzero(tokens == PLACEHOLDER):
             from_last[t] = self._last_samplers[plan_rows[rows.tok_row[t]].request_id]
         sampling, index = self._sampling(scheduled, len(rows.q_len))
-        self._last_tok, self.device = ragged_step(
-            self.params.weights, self.params.config, self.device, rows, tokens, positions,
-            sampling, index, self._last_tok, from_last, backend=self.backend,
-            dtype=self.kv_dtype, mesh=self.mesh,
+        self._last_tok, self.device = run(
+            self.lockstep, ragged_step, self.params.weights, self.params.config, self.device,
+            rows, tokens, positions, sampling, index, self._last_tok, from_last,
+            backend=self.backend, dtype=self.kv_dtype, mesh=self.mesh,
         )  # fmt: skip
         return self._last_tok
 

@@ -10,6 +10,7 @@ import numpy as np
 
 from jkv import kv as kvlib
 from jkv.engine import programs
+from jkv.engine.lockstep import read, run
 from jkv.engine.rebuild import Rebuilt, paged_rebuild, policy_rank, rebuild_rows, write_rebuilt
 from jkv.engine.replay import REPLAY_CHUNK, pack_replay, replay_piece, replay_span, replay_tokens
 from jkv.engine.runner import compact
@@ -24,7 +25,6 @@ from jkv.engine.sequence import Status
 from jkv.policies import POLICIES
 from jkv.policies.compress import factoring
 from jkv.policies.efficache import head_sensitivity
-from jkv.sharding import to_host
 
 sensitivity_pass = programs.jit(head_sensitivity, static_argnames=("config",))
 
@@ -152,15 +152,17 @@ class PolicySteps:
             sensitivity = self._sensitivity(ending, range(len(ending)), b)
         queries = None
         if window:
-            queries = programs.call(window_queries, self.params.weights, self.params.config,
-                                    self.device, rows, tokens, positions, backend=self.backend,
-                                    dtype=self.kv_dtype)  # fmt: skip
-        src, counts, first = programs.call(
-            paged_select, self.params.config, self.device, rows, queries, positions, budgets,
+            queries = run(self.lockstep, window_queries, self.params.weights, self.params.config,
+                          self.device, rows, tokens, positions, backend=self.backend,
+                          dtype=self.kv_dtype)  # fmt: skip
+        src, counts, first = run(
+            self.lockstep, paged_select, self.params.config, self.device, rows, queries, positions, budgets,
             sensitivity, replayed, backend=self.backend, policy=policy,
         )  # fmt: skip
-        counts = to_host(counts)
-        first = to_host(first) if policy.raw_keys else None  # StreamingLLM's ring positions
+        counts = read(self.lockstep, counts)
+        first = (
+            read(self.lockstep, first) if policy.raw_keys else None
+        )  # StreamingLLM's ring positions
         for i, r in enumerate(ending):
             c = counts[i].reshape(-1).tolist()
             ring = None if first is None else first[i, : c[0]].tolist()
@@ -175,14 +177,15 @@ class PolicySteps:
         own = self._rows[r.seq.request_id].req.policy
         budgets = np.zeros((len(rows.held),), np.int32)
         budgets[0] = own.budget_tokens(len(r.seq.prompt))
-        queries = programs.call(window_queries, self.params.weights, self.params.config,
-                                self.device, rows, tokens, positions, backend=self.backend,
-                                dtype=self.kv_dtype)  # fmt: skip
+        queries = run(self.lockstep, window_queries, self.params.weights, self.params.config,
+                      self.device, rows, tokens, positions, backend=self.backend,
+                      dtype=self.kv_dtype)  # fmt: skip
         rows = rebuild_rows(rows, len(r.seq.prompt), self.pool.page_size)
         with factoring(policy):
-            built = programs.call(paged_rebuild, self.params.config, self.device, rows, queries,
-                                  positions, budgets, backend=self.backend, policy=policy)  # fmt: skip
-            counts, segments = to_host(built.counts)[0], to_host(built.segments)[0]
+            built = run(self.lockstep, paged_rebuild, self.params.config, self.device, rows,
+                        queries, positions, budgets, backend=self.backend, policy=policy)  # fmt: skip
+            counts = read(self.lockstep, built.counts)[0]
+            segments = read(self.lockstep, built.segments)[0]
         kept[r.seq.request_id] = (built, counts.reshape(-1).tolist(), segments.reshape(-1).tolist())
 
     def _replay(self, ending):
@@ -210,8 +213,8 @@ class PolicySteps:
                     rows, tokens, positions = pack_replay(table, self.scheduler.group, n, done,
                                                           part, self.replay_chunk)  # fmt: skip
                     span = replay_span(n + done + len(part), width)
-                    best, self.device = programs.call(
-                        replay_piece, self.params.weights, cfg, self.device, rows, tokens,
+                    best, self.device = run(
+                        self.lockstep, replay_piece, self.params.weights, cfg, self.device, rows, tokens,
                         positions, piece, best, np.int32(i), backend=self.backend,
                         dtype=self.kv_dtype, span=span,
                     )  # fmt: skip
@@ -228,9 +231,8 @@ class PolicySteps:
             tokens = np.zeros((1, sensitivity_bucket(len(prompt), self.max_model_len)), np.int32)
             tokens[0, : len(prompt)] = prompt
             n = np.array([len(prompt)], np.int32)
-            out[i] = to_host(programs.call(sensitivity_pass, self.params.weights, cfg, tokens, n))[
-                0
-            ]
+            grads = run(self.lockstep, sensitivity_pass, self.params.weights, cfg, tokens, n)
+            out[i] = read(self.lockstep, grads)[0]
         return out
 
     def _compress(self, seq, *kept) -> None:
@@ -248,8 +250,8 @@ class PolicySteps:
         table = np.zeros(self.rows.width, np.int32)
         table[: len(seq.blocks)] = seq.blocks
         n_ordinary = np.int32(seq.n_prefix - seq.n_lowrank)
-        self.device = programs.call(write_rebuilt, self.device, built, np.int32(0), table,
-                                    n_ordinary, dtype=self.kv_dtype)  # fmt: skip
+        self.device = run(self.lockstep, write_rebuilt, self.device, built, np.int32(0), table,
+                          n_ordinary, dtype=self.kv_dtype)  # fmt: skip
 
     def _compact(self, seq, src, row, counts, ring=None) -> None:
         """The policy's selection made physical: each head's kept tokens move into the fewest
@@ -262,5 +264,5 @@ class PolicySteps:
         self._sync_rows()
         table = np.zeros(self.rows.width, np.int32)
         table[: len(seq.blocks)] = seq.blocks
-        self.device = programs.call(compact, self.device, src, table, np.asarray(counts, np.int32),
-                              np.int32(row))  # fmt: skip
+        self.device = run(self.lockstep, compact, self.device, src, table,
+                          np.asarray(counts, np.int32), np.int32(row))  # fmt: skip

@@ -415,7 +415,7 @@ def _run_with(args, defaults, keys, cache, events, log, link=None) -> int:
         protect_health_metrics=args.protect_health_metrics,
     )
     if link is not None:  # the leader: its engine's steps are the group's
-        engine.lockstep = link
+        link.attach(engine)
         link.on_lost = lambda reason: _lost(server, engine, reason)
     try:
         _serve(server, args)

@@ -5,18 +5,17 @@ JAX's multi-controller runtime (`jax.distributed`; on CPU, gloo collectives) mak
 of all N processes one mesh, and every process builds the same engine over it (`Engine(mesh=)`:
 the pool sharded over kv heads), so each compiled step runs on all of them at once and every
 process must run the same programs in the same order. Process 0, the leader, runs the HTTP
-server. At each engine step it sends the others, the followers, what its step took in (the
-requests added, with their settings, seeds included, and the aborts) over a TCP channel at
-HOST:PORT+1; each follower hands them to its own engine and steps it. The engine's host side is
-deterministic given its messages (`Engine._drain`, the scheduler: plain Python on ints), so every
-process schedules the same rows and runs the same step, as sglang-jax's nodes do; only the
-leader answers. Once the leader has planned a step, before running it, it sends the plan's
-digest (rows, token spans, page blocks, preemptions); each follower plans its own step, then
-waits for the leader's digest and compares before it runs anything: a follower whose plan
-differs exits with status 4 before entering the step's collectives (never different programs,
-and no collective left waiting on a diverged process), and the leader then sees it gone. A
-follower still schedules for itself and checks the leader's plan; it does not run the leader's
-plan without scheduling.
+server, the scheduler and the engine's host side; the others, the followers, only run its
+device work. At each engine step the leader sends them, over a TCP channel at HOST:PORT+1,
+every device call of the step as it makes it (`jkv.engine.lockstep`: the function by name, its
+host arguments such as page-table rows, token ids and sampling settings, its device arguments as
+references to the weights, the pool or an earlier call's output), each read of a device value
+back to the host (a sharded one is gathered by all processes), and at the step's end which
+arrays are the pool now. A follower runs them in order on its shard and never schedules, so it
+has no plan of its own that could differ (nano-vllm's and tpu-inference's way: one scheduler).
+When the leader's engine starts serving it sends its shapes (weights, pool, kv dtype, page
+size); a follower whose engine differs, or which cannot run one of the leader's calls, exits
+with status 4, and the leader then sees it gone.
 
 Failures, each within a bound: every process sends the others a heartbeat each second, from a
 thread of its own, which stops beating when its process is stuck in a step: in one for
@@ -48,15 +47,15 @@ import struct
 import sys
 import threading
 import time
-import zlib
 
 from jkv.compile_time import programs_built
+from jkv.engine.lockstep import Recorder, Replayer, signature
 
 LOG = logging.getLogger("jkv.serve")
 HEARTBEAT_S = 1.0
 DRAIN_S = 3.0  # after a process is lost: for the 503s to reach their clients before the exit
 LOST_EXIT = 3  # the status of a process whose group lost one of its processes
-DIVERGED_EXIT = 4  # a follower whose plan differed from the leader's
+DIVERGED_EXIT = 4  # a follower that cannot run the leader's steps (another engine, a failed call)
 
 
 def initialize(coordinator: str, num_processes: int, process_id: int, timeout: float) -> None:
@@ -85,18 +84,6 @@ def check(coordinator, num_processes, process_id) -> tuple[str, int]:
             f"--process-id {process_id!r}: expected an int in [0, {num_processes - 1}]"
         )
     return host, int(port)
-
-
-def digest(plan) -> int:
-    """What a step runs, in a word: its plain rows (`jkv.engine.plan.RowPlan`: request ids,
-    tokens, page blocks, slots), and the requests it preempted (0: no step). Not a row's
-    `epoch`: a process-wide serial, which counts every sequence the process ever made (a
-    leader's warmup, say) and so differs between processes that plan the same step."""
-    if plan is None:
-        return 0
-    rows = [r.row._replace(epoch=0) for r in plan.scheduled]
-    key = repr((rows, [s.request_id for s in plan.preempted]))
-    return zlib.crc32(key.encode())
 
 
 # Where a thread is while JAX builds a program: tracing, lowering, XLA compiling.
@@ -222,8 +209,9 @@ class Leader:
         start = timeout if start_timeout is None else start_timeout
         self.lost_reason: str | None = None
         self.on_lost = None  # called once, from a watching thread, with the reason
-        self._taken: list = []
         self._steps = 0
+        self._engine = None
+        self._recorder = Recorder()
         self.watch = StepWatch(timeout)
         self._stopped = threading.Event()
         self._lost_lock = threading.Lock()
@@ -255,27 +243,42 @@ class Leader:
         ).start()  # fmt: skip
         LOG.info("the group: %d processes", num_processes)
 
+    def attach(self, engine) -> None:
+        """`engine`'s steps become the group's: its shapes go to every follower (which refuses
+        to run them on an engine of other shapes), then each step's device work."""
+        self._engine = engine
+        engine.lockstep = self
+        self._send(("engine", signature(engine)))
+
     # -- the engine's hooks (`Engine.lockstep`), called with its step lock held --
 
-    def taken(self, kind: str, body) -> None:
-        self._taken.append((kind, body))
-
     def tick(self) -> None:
-        """Before each step: its messages to every follower."""
+        """Before each step."""
         if self.lost_reason is not None:
             raise RuntimeError(self.lost_reason)
         self.watch.enter()
         self._steps += 1
-        self._send(("tick", self._steps, self._taken))
-        self._taken = []
+        self._recorder.begin(self._engine)
+        self._send(("tick", self._steps))
 
-    def planned(self, plan) -> None:
-        """The step is planned, not yet run: its digest to every follower, which checks its own
-        plan against it before running it."""
-        self._send(("plan", self._steps, digest(plan)))
+    def call(self, fn, args, kwargs) -> None:
+        """A device call of the step, before it runs here (`jkv.engine.lockstep.run`)."""
+        self._send(self._recorder.call(fn, args, kwargs))
+
+    def made(self, out) -> None:
+        self._recorder.made(out)
+
+    def read(self, x) -> None:
+        """A read of a device value back to the host, before it happens here."""
+        self._send(("read", self._recorder.encode(x)))
 
     def stepped(self) -> None:
         self.watch.leave()
+        if self.lost_reason is None:
+            try:
+                self._send(self._recorder.end(self._engine))
+            except RuntimeError:
+                pass  # lost: the next tick says so
 
     def _send(self, frame) -> None:
         for pid, ch in self.channels:
@@ -373,60 +376,42 @@ class Follower:
         LOG.error("process %d: %s; exiting", self.process_id, why)
         os._exit(LOST_EXIT)
 
-    # the engine's hooks: a follower's messages come from the leader
-    def taken(self, kind: str, body) -> None:
-        pass
-
-    def tick(self) -> None:
-        self.watch.enter()
-
-    def planned(self, plan) -> None:
-        """This process's plan for the step, before it runs: the leader's digest of its own
-        must equal it, else this process stops before the step's collectives."""
-        try:
-            frame = self.frames.get(timeout=self.timeout)
-        except queue.Empty:
-            LOG.error("process %d: step %d: no plan from the leader in %g s; exiting",
-                      self.process_id, self._step, self.timeout)  # fmt: skip
-            os._exit(LOST_EXIT)
-        if frame[0] == "stop":  # the group stops between the leader's tick and its plan
-            self._stopped.set()
-            LOG.info("process %d: the leader stopped the group", self.process_id)
-            os._exit(0)
-        mine = digest(plan)
-        if frame[0] != "plan" or frame[2] != mine:
-            theirs = frame[2] if frame[0] == "plan" else f"no step ({frame[0]})"
-            LOG.error("process %d: step %d's plan differs from the leader's (%s != %s); "
-                      "stopping before it runs", self.process_id, self._step, mine,
-                      theirs)  # fmt: skip
-            os._exit(DIVERGED_EXIT)
-
-    def stepped(self) -> None:
-        self.watch.leave()
-
     def serve(self, engine) -> None:
-        """Steps `engine` as the leader steps its own, until the leader says stop."""
-        engine.lockstep = self
+        """Runs the leader's steps on `engine`'s arrays (`jkv.engine.lockstep.Replayer`), until
+        the leader says stop. Exits with status 4 when `engine`'s shapes differ from the
+        leader's, or when it cannot run one of the leader's calls."""
+        replay, kind = Replayer(engine), None
         while True:
             frame = self.frames.get()
-            if frame[0] == "stop":
+            kind = frame[0]
+            if kind == "stop":
                 self._stopped.set()
                 LOG.info("process %d: the leader stopped the group", self.process_id)
                 return
-            if frame[0] != "tick":  # the leader planned a step this process did not
-                LOG.error("process %d: step %d: the leader ran a step this process planned "
-                          "none for; stopping", self.process_id, self._step)  # fmt: skip
-                os._exit(DIVERGED_EXIT)
-            _, step, messages = frame
-            self._step = step
-            for kind, body in messages:
-                try:
-                    if kind == "add":
-                        engine.add_request(**body)
-                    else:
-                        engine.abort(body)
-                except Exception as err:  # the leader's engine took it: so must this one
-                    LOG.error("process %d: step %d: the leader's %s failed here: %s: %s",
-                              self.process_id, step, kind, type(err).__name__, err)  # fmt: skip
-                    os._exit(DIVERGED_EXIT)
-            engine.step()
+            if kind == "engine":
+                if frame[1] != signature(engine):
+                    self._diverged("this process's engine differs from the leader's (its "
+                                   f"shapes, kv dtype or page size): {signature(engine)} != "
+                                   f"{frame[1]}")  # fmt: skip
+                continue
+            if kind == "tick":
+                self._step = frame[1]
+                replay.begin()
+                continue
+            self.watch.enter()  # inside one of the leader's calls (a collective maybe)
+            try:
+                if kind == "call":
+                    replay.call(frame[1], frame[2])
+                elif kind == "read":
+                    replay.read(frame[1])
+                else:  # "end": the step's pool and last tokens
+                    replay.end(frame[1])
+            except Exception as err:  # noqa: BLE001 - this process cannot follow
+                what = frame[1] if kind == "call" else kind
+                self._diverged(f"the leader's {what} failed here: {type(err).__name__}: {err}")
+            finally:
+                self.watch.leave()
+
+    def _diverged(self, why: str) -> None:
+        LOG.error("process %d: step %d: %s; stopping", self.process_id, self._step, why)
+        os._exit(DIVERGED_EXIT)

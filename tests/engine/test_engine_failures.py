@@ -89,7 +89,7 @@ def fail_then_recover(engine, demo, prompts, monkeypatch, target, after, **setti
     # before the model call; after the step that donated the pool (its buffers gone); inside
     # the host's books; reading back a step dispatched ahead (async scheduling: the step after
     # it is on the device already)
-    [("ragged_step", False), ("ragged_step", True), ("finish_step", True), ("to_host", False)],
+    [("ragged_step", False), ("ragged_step", True), ("finish_step", True), ("read", False)],
 )
 def test_a_failed_step_fails_its_requests_and_the_next_ones_succeed(
     engine, demo, prompts, monkeypatch, where, after
@@ -99,8 +99,8 @@ def test_a_failed_step_fails_its_requests_and_the_next_ones_succeed(
     def target(fn):
         if where == "finish_step":
             return (engine.scheduler, "finish_step", fn)
-        if where == "to_host":
-            return (ahead, "to_host", fn)
+        if where == "read":  # of a step dispatched ahead (`jkv.engine.lockstep.read`)
+            return (ahead, "read", fn)
         return (engine_module, where, fn)
 
     fail_then_recover(engine, demo, prompts, monkeypatch, target, after)

@@ -1,15 +1,16 @@
 """The serving group's step channel (`jkv.serve.group`) between two real engines on one device
 each, no jax.distributed: the leader's engine here, a follower's in a subprocess. The follower,
-told only the leader's messages, takes the same steps and samples the same tokens (the
-lockstep's premise: the engine's host side is deterministic given its messages); a follower
-whose plan differs from the digest the leader sends before running its step exits with status
-4 before running it; one whose leader closes the
-channel, or falls silent past the timeout, exits with status 3; a leader counts a follower
-that is killed (at once) or stopped (past the timeout) as lost. Seconds each."""
+which schedules nothing (it is told no request, and its own chunk differs from the leader's),
+runs the leader's device calls and ends with the leader's pool and last tokens, bit for bit; a
+follower whose engine has other shapes exits with status 4 before any step, as does one that
+cannot run a call; one whose leader closes the channel, or falls silent past the timeout,
+exits with status 3; a leader counts a follower that is killed (at once) or stopped (past the
+timeout) as lost. Seconds each."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -21,44 +22,47 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from replicas_harness import free_run
 
 from jkv.engine.engine import Engine
-from jkv.engine.scheduler import StepPlan
 from jkv.engine.sequence import EPOCHS
 from jkv.serve import group
 
-SETTINGS = dict(num_pages=256, max_running=4, token_budget=32, chunk=16)
+SETTINGS = dict(num_pages=256, max_running=4, token_budget=64, chunk=32)
 FOLLOWER = textwrap.dedent(
-    f"""
+    """
     import json, sys
     import jkv
     from jkv.engine.engine import Engine
     from jkv.serve import group
+    sys.path.insert(0, sys.argv[4])
+    from test_group_channel import state
 
     link = group.Follower("127.0.0.1", int(sys.argv[1]), 1, float(sys.argv[2]))
-    engine = Engine(jkv.load("demo"), **{SETTINGS!r})
-    got, step = {{}}, engine.step
-
-    def observed():
-        outs = step()
-        for out in outs:
-            got.setdefault(out.request_id, []).extend(out.new_tokens)
-        return outs
-
-    engine.step = observed
+    engine = Engine(jkv.load("demo"), **json.loads(sys.argv[3]))
     link.serve(engine)
-    print("TOKENS", json.dumps(got), flush=True)
+    print("STATE", state(engine), engine.stats()["steps"], flush=True)
     """
 )
 
 
+def state(engine) -> str:
+    """A digest of the engine's device state: its pool's arrays and its last sampled tokens."""
+    h = hashlib.sha256()
+    for leaf in jax.tree.leaves((engine.device, engine._last_tok)):
+        h.update(np.asarray(leaf).tobytes())
+    return h.hexdigest()
+
+
 @contextlib.contextmanager
-def _follower(port: int, timeout: float = 5.0):
-    """A follower process on `port`, killed (and resumed first if stopped) at the end."""
+def _follower(port: int, timeout: float = 5.0, **settings):
+    """A follower process on `port` (its engine: SETTINGS updated by `settings`), killed (and
+    resumed first if stopped) at the end."""
+    own = json.dumps({**SETTINGS, **settings})
     proc = subprocess.Popen(
-        [sys.executable, "-c", FOLLOWER, str(port), str(timeout)],
+        [sys.executable, "-c", FOLLOWER, str(port), str(timeout), own, os.path.dirname(__file__)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
@@ -89,26 +93,31 @@ def _wait(cond, seconds: float) -> bool:
     return True
 
 
-def test_a_follower_takes_the_leaders_steps(demo_params, lost):
+def test_a_follower_runs_the_leaders_steps_without_scheduling(demo_params, lost):
+    """The follower is told of no request and its chunk is 8 (the leader's 32, so its own plan
+    for these prompts would differ): it runs the leader's device calls, SnapKV's selection and
+    compaction and StreamingLLM's ring included, and ends with the leader's pool and last
+    tokens, bit for bit, having stepped nothing itself."""
     for _ in range(3):  # this process made sequences before (a server's warmup does)
         next(EPOCHS)
     port = free_run(1)
-    with _follower(port) as proc:
+    with _follower(port, chunk=8) as proc:
         leader = _leader(port, lost)
         engine = Engine(demo_params, **SETTINGS)
-        engine.lockstep = leader
-        prompts = ["the old farmer saw the red horse", "the dog ran to the big house and the cat",
-                   "a brave knight rode to the castle and the king"]  # fmt: skip
-        rids = [  # (policies across processes: tests/serve/test_group.py)
-            engine.add_request(prompts[0], max_new_tokens=6),
-            engine.add_request(prompts[1], max_new_tokens=5, stop=["zebra"]),
+        leader.attach(engine)
+        prompts = ["the old farmer saw the red horse and the little girl walked to the river",
+                   "the dog ran to the big house and the cat", "a brave knight rode to the castle"]  # fmt: skip
+        rids = [
+            engine.add_request(prompts[0], max_new_tokens=6, kv_policy="snapkv", kv_budget=8),
+            engine.add_request(prompts[1], max_new_tokens=5, stop=["zebra"],
+                               kv_policy="streaming", kv_budget=8),
             engine.add_request(prompts[2], max_new_tokens=7, temperature=0.9, seed=3),
         ]  # fmt: skip
         gone = engine.add_request(prompts[0] + " and", max_new_tokens=30)
         got = {rid: [] for rid in rids}
         for n in range(200):
             if n == 3:
-                engine.abort(gone)  # an abort reaches the follower too
+                engine.abort(gone)
             for out in engine.step():
                 got.setdefault(out.request_id, []).extend(out.new_tokens)
             if not engine.has_work:
@@ -116,33 +125,37 @@ def test_a_follower_takes_the_leaders_steps(demo_params, lost):
         leader.stop()
         out, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0, out
-        theirs = json.loads(out.split("TOKENS ", 1)[1])
-        assert theirs == got, (theirs, got)
+        theirs, their_steps = out.split("STATE ", 1)[1].split()
+        assert theirs == state(engine), out
+        assert their_steps == "0"  # its own engine never stepped
         assert len(got[gone]) < 30 and all(len(got[r]) >= 5 for r in rids), got
         assert not lost
 
 
-@pytest.mark.parametrize("case", ["another plan", "no step"])
-def test_a_follower_whose_plan_differs_exits_before_running_it(lost, case):
-    """The leader sends its plan's digest once planned, before running the step: a follower
-    whose own plan differs (the leader claims an empty step where the follower schedules the
-    request it was told of) exits with status 4 before running its step, as does one that
-    planned no step where the leader ran one."""
+def test_a_follower_of_another_engine_exits_before_any_step(demo_params, lost):
+    """A follower whose pool has other shapes (128 pages, the leader's 256) exits with status
+    4 when the leader's engine attaches, naming the difference; the leader then sees it gone."""
+    port = free_run(1)
+    with _follower(port, num_pages=128) as proc:
+        leader = _leader(port, lost)
+        leader.attach(Engine(demo_params, **SETTINGS))
+        assert proc.wait(120) == group.DIVERGED_EXIT, proc.stdout.read()
+        said = proc.stdout.read()
+        assert "this process's engine differs from the leader's" in said, said
+        assert _wait(lambda: leader.lost_reason is not None, 10)
+
+
+def test_a_follower_that_cannot_run_a_call_exits(demo_params, lost):
     port = free_run(1)
     with _follower(port) as proc:
         leader = _leader(port, lost)
-        if case == "another plan":
-            leader.taken("add", dict(prompt=[5, 6, 7, 8, 9], request_id="r", max_new_tokens=3))
+        leader.attach(Engine(demo_params, **SETTINGS))
         leader.tick()
-        leader.planned(StepPlan([], []))
+        leader._send(("call", "jkv.engine.runner:no_such_program", ((), {})))
         assert proc.wait(120) == group.DIVERGED_EXIT, proc.stdout.read()
         said = proc.stdout.read()
-        if case == "another plan":
-            assert "step 1's plan differs from the leader's" in said, said
-            assert "stopping before it runs" in said, said
-        else:
-            assert "the leader ran a step this process planned none for" in said, said
-        assert _wait(lambda: leader.lost_reason is not None, 10)  # then it is lost to the leader
+        assert "the leader's jkv.engine.runner:no_such_program failed here" in said, said
+        assert _wait(lambda: leader.lost_reason is not None, 10)
 
 
 @pytest.mark.parametrize("how", ["closed", "silent"])
