@@ -241,6 +241,15 @@ def bits_slice(x, start, n, *, axis):
     return lax.bitcast_convert_type(part, x.dtype)
 
 
+def bits_take(x, index):
+    """`x[index]` with 8- and 16-bit floats gathered as their bits: gathered as floats, XLA:CPU
+    first widens the whole operand (a paged pool: every page, each call) to a wider float."""
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize > 2:
+        return x[index]
+    bits = jnp.uint8 if x.dtype.itemsize == 1 else jnp.uint16
+    return lax.bitcast_convert_type(lax.bitcast_convert_type(x, bits)[index], x.dtype)
+
+
 def to_bits(x):
     """FP8 arrays travel as uint8 (a free bitcast); others unchanged."""
     if x.dtype != FP8:

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jkv_kernels import _backend as bk
 from jkv_kernels.ragged_paged_attention import (
     MASKED,
     rotated_keys,
@@ -86,11 +87,11 @@ def ragged_paged_attention_xla(
         which slots hold a token `[W, K, S]`."""
         cols = j * pages_per_step + jnp.arange(pages_per_step)
         pages = jnp.take(table[rows], jnp.minimum(cols, m - 1), axis=2)  # [W, K, pps]
-        kb = k_pages[pages].astype(f32)  # [W, K, pps, page, H]
-        vb = v_pages[pages].astype(f32)
+        kb = bk.bits_take(k_pages, pages).astype(f32)  # [W, K, pps, page, H]
+        vb = bk.bits_take(v_pages, pages).astype(f32)
         if k_scale is not None:
-            kb = kb * k_scale[pages].astype(f32)[..., None]
-            vb = vb * v_scale[pages].astype(f32)[..., None]
+            kb = kb * bk.bits_take(k_scale, pages).astype(f32)[..., None]
+            vb = vb * bk.bits_take(v_scale, pages).astype(f32)[..., None]
         w = rows.shape[0]
         pos = pos_pages[pages].reshape(w, kh, bs)
         log_w = None
@@ -166,10 +167,11 @@ def ragged_paged_attention_xla(
         def one(i, carry):
             col = jnp.clip(lo + i, 0, m - 1)  # [W]
             pages = table[r0[:, None], jnp.arange(kh)[None, :], col[:, None]]  # [W, K]
-            kp, vp = k_pages[pages].astype(f32), v_pages[pages].astype(f32)
+            kp = bk.bits_take(k_pages, pages).astype(f32)
+            vp = bk.bits_take(v_pages, pages).astype(f32)
             if k_scale is not None:
-                kp = kp * k_scale[pages].astype(f32)[..., None]
-                vp = vp * v_scale[pages].astype(f32)[..., None]
+                kp = kp * bk.bits_take(k_scale, pages).astype(f32)[..., None]
+                vp = vp * bk.bits_take(v_scale, pages).astype(f32)[..., None]
             # factored, never expanded: q . k_t = (q B^T) . C^T[:, t]; sum_t p_t v_t =
             # (sum_t p_t C_v^T[:, t]) B_v (rank x fewer multiplies than the page's tokens)
             rank = lowrank_rank

@@ -24,7 +24,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from jkv.core.paged import MassRows, PagedRows, make_paged_attention
+from jkv.core.paged import MassRows, PagedRows, as_bits, from_bits, make_paged_attention
 from jkv.core.sampling import SamplingArrays, sample
 from jkv.core.step import flat_step
 from jkv.engine import programs
@@ -49,7 +49,8 @@ def flat_logits(
     )
     last = rows.q_start + jnp.maximum(rows.q_len - 1, 0)  # [R]
     logits, _, new = flat_step(weights, config, tokens, positions, attend, last,
-                               {n: getattr(pool, n) for n in names})  # fmt: skip
+                               as_bits({n: getattr(pool, n) for n in names}))  # fmt: skip
+    new = from_bits(new, dtype)
     return logits, dataclasses.replace(pool, **{n: new[n] for n in names if n != "block_pages"})
 
 

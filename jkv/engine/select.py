@@ -26,7 +26,7 @@ import numpy as np
 
 from jkv import kv as kvlib
 from jkv.core.backends import ops
-from jkv.core.paged import PagedRows, make_paged_attention
+from jkv.core.paged import PagedRows, as_bits, from_bits, make_paged_attention
 from jkv.core.step import flat_step
 from jkv.engine import programs
 from jkv.engine.runner import PagedKV, Rows, bucket, token_index
@@ -86,7 +86,8 @@ def pool_pass(weights, config, pool: PagedKV, rows: PagedRows, tokens, positions
                                   write=write, queries=True)  # fmt: skip
     last = rows.q_start + jnp.maximum(rows.q_len - 1, 0)
     _, queries, new = flat_step(weights, config, tokens, positions, attend, last,
-                                {n: getattr(pool, n) for n in names})  # fmt: skip
+                                as_bits({n: getattr(pool, n) for n in names}))  # fmt: skip
+    new = from_bits(new, dtype)
     if write:
         pool = dataclasses.replace(pool, **{n: new[n] for n in names if n != "block_pages"})
     return queries, pool

@@ -5,6 +5,7 @@ does not grow with layers x kv heads."""
 from __future__ import annotations
 
 import random
+import re
 
 import numpy as np
 import pytest
@@ -102,3 +103,38 @@ def test_host_work_per_step_does_not_grow_with_layers_and_heads():
     assert _decode_workload(2, 2) == _decode_workload(64, 16)
     written, _ = _decode_workload(2, 2)
     assert written == 8 * 9  # 139 tokens of each of 8 rows: 9 blocks, each written once
+
+
+@pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "bfloat16"])
+def test_a_step_never_widens_the_whole_pool(demo, kv_dtype, monkeypatch):
+    """The compiled flattened step over a narrow-float pool holds no float32 or float16 copy of
+    the pool's pages or scales: XLA:CPU widened the whole fp8 pool to float16 (and its
+    bfloat16 scales to float32) around each layer's write and page gather, a cost that grew
+    with the pool, not with the tokens attended (an fp8 step 350x float32's at 262K pages);
+    the layers now carry the pool as its bits (`jkv.core.paged.as_bits`)."""
+    from jkv.engine import ragged
+
+    pages = 3072  # a count no other dimension of the demo model has
+    engine = Engine(demo, num_pages=pages, page_size=16, kv_dtype=kv_dtype, max_running=4,
+                    async_scheduling=False)  # fmt: skip
+    for i in range(2):
+        engine.add_request([5 + i] * 40, max_new_tokens=4)
+    seen, call = {}, ragged.programs.call
+
+    def spy(fn, *args, **kwargs):
+        if fn is ragged.flat_logits:
+            seen["args"], seen["kwargs"] = args, kwargs
+        return call(fn, *args, **kwargs)
+
+    monkeypatch.setattr(ragged.programs, "call", spy)
+    while engine.has_work:
+        engine.step()
+    hlo = ragged.flat_logits.lower(*seen["args"], **seen["kwargs"]).compile().as_text()
+    h = demo.config.head_dim
+    wide = ["f16", "f32"] + (["bf16"] if kv_dtype == "float8_e4m3fn" else [])
+    pattern = re.compile(
+        rf"(?<![\w])({'|'.join(wide)})\[{pages},16,{h}\]|(?<![\w])f32\[{pages},16\]"
+    )
+    found = [line.strip()[:160] for line in hlo.splitlines()
+             if pattern.search(line) and "parameter(" not in line]  # fmt: skip
+    assert not found, found
