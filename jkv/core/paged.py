@@ -167,7 +167,11 @@ def as_bits(pool: dict) -> dict:
     """The pool's 8- and 16-bit float arrays as their bits (uint8, uint16: a free bitcast), the
     rest as they are: what the layers carry. XLA:CPU widens or copies a whole narrow-float buffer
     around a scatter or a gather (an fp8 pool's step grew with the pool: 0.5 s a step for 262K
-    demo pages, against 1.5 ms in float32); on integers both run in place."""
+    demo pages, against 1.5 ms in float32); on integers both run in place. On the CPU only:
+    elsewhere the pool is carried as it is (a GPU converts fp8 natively, and a change of carry
+    type could cost a copy of the pool at the program's edges, as it does on the CPU)."""
+    if jax.default_backend() != "cpu":
+        return dict(pool)
     return {n: _bits(x) for n, x in pool.items()}
 
 
