@@ -148,9 +148,9 @@ def paged_window_scores_xla(
     def block(r, j):
         """Key block j of row r: K `[K, bs, H]` float32, positions and stored-ness `[K, bs]`."""
         pages = lax.dynamic_slice_in_dim(table[r], j * pages_per_step, pages_per_step, axis=1)
-        kb = k_pages[pages].astype(f32)  # [K, pps, page, H]
+        kb = bk.bits_take(k_pages, pages).astype(f32)  # [K, pps, page, H]
         if k_scale is not None:
-            kb = kb * k_scale[pages].astype(f32)[..., None]
+            kb = kb * bk.bits_take(k_scale, pages).astype(f32)[..., None]
         slots = j * bs + jnp.arange(bs)
         stored = slots[None, :] < lens[r][:, None]  # [K, bs]
         kb = jnp.where(stored[..., None], kb.reshape(kh, bs, h), 0.0)  # 0 x NaN is NaN

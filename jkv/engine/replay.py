@@ -25,6 +25,7 @@ from jkv.engine.runner import PagedKV, Rows, bucket, token_index
 from jkv.engine.select import pool_pass
 from jkv.policies.kvzip import replay_scores
 from jkv.replay import requests
+from jkv_kernels import bits_take
 
 REPLAY_CHUNK = 256  # replay tokens one program takes (a longer replay: several calls)
 
@@ -71,8 +72,8 @@ def replay_piece(weights, config, pool: PagedKV, rows: PagedRows, tokens, positi
         layer, q = args  # q: [C, N, H] this layer's rotated queries
         at = token_index(pool, index_rows, layer, kh, dense)  # [1, K, span]
         pos = jnp.where(live, flat(pool.positions)[at], -1)
-        scale = None if pool.k_scale is None else flat(pool.k_scale)[at]
-        k = flat(pool.k)[at]
+        scale = None if pool.k_scale is None else bits_take(flat(pool.k_scale), at)
+        k = bits_take(flat(pool.k), at)  # (as bits: XLA:CPU widens a whole narrow-float pool)
         part = (pos < sink) | ((pos >= lo) & (pos < hi)) | (pos >= n)
         view = kvlib.LayerKV(k=k, v=k, lengths=lengths, positions=pos, k_scale=scale,
                              v_scale=scale, scores=jnp.where(part, 0.0, -1.0))  # fmt: skip

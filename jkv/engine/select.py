@@ -31,6 +31,7 @@ from jkv.core.step import flat_step
 from jkv.engine import programs
 from jkv.engine.runner import PagedKV, Rows, bucket, token_index
 from jkv.policies.base import Context
+from jkv_kernels import bits_take
 
 KEY_BLOCK = 256  # slots whose keys a Quantile policy's norms read at a time
 SELECT_ROWS = 4  # rows a selection takes at most (more ending in one step: several calls)
@@ -66,9 +67,9 @@ def key_norms(pool: PagedKV, at, lengths) -> jax.Array:
 
     def block(i, out):
         idx = jax.lax.dynamic_slice_in_dim(at, i * KEY_BLOCK, KEY_BLOCK, axis=2)
-        k = flat(pool.k)[idx].astype(jnp.float32)  # [E, K, blk, H]
+        k = bits_take(flat(pool.k), idx).astype(jnp.float32)  # [E, K, blk, H]
         if pool.k_scale is not None:
-            k = k * flat(pool.k_scale)[idx].astype(jnp.float32)[..., None]
+            k = k * bits_take(flat(pool.k_scale), idx).astype(jnp.float32)[..., None]
         return jax.lax.dynamic_update_slice_in_dim(out, jnp.abs(k).sum(-1), i * KEY_BLOCK, 2)
 
     out = jax.lax.fori_loop(0, width // KEY_BLOCK, block, jnp.zeros((e, kh, width), jnp.float32))
