@@ -25,12 +25,12 @@ Quantile), is a per-request setting: the prompt runs on the flattened step like 
 then the policy selects over the pool (`jkv.engine.select`: its window votes through the page
 table; EffiCache's head sensitivity comes from one gradient pass over the whole prompt), then
 each head's kept tokens move into the fewest pages and the rest go back to the pool.
-StreamingLLM and H2O compress the same way at the prompt's end, then keep a ring of their
-budget's slots: each new token overwrites the oldest non-sink one (StreamingLLM, the slot
-chosen by the host, `Sequence.ring_write`) or, per head, the lightest by attention mass outside
-the recent window (H2O, chosen in the step; every query of an H2O row adds the attention it pays
-to the mass of each slot, a float32 per stored token in the pool:
-`Engine(attention_mass=True)`). KVzip's replay of the context runs over the row's own pages
+An evicting policy (StreamingLLM, H2O, or a plugin's: `KVPolicy.ring`) compresses the same way
+at the prompt's end, then keeps a ring of its budget's slots, the policy's per-request state on
+the host (`jkv.policies.base.Ring`): each new token overwrites the slot its rule picks, the
+oldest non-sink one for StreamingLLM, or, per head, the lightest by attention mass outside the
+recent window (H2O, chosen in the step; every query of an H2O row adds the attention it pays to
+the mass of each slot, a float32 per stored token in the pool: `Engine(attention_mass=True)`). KVzip's replay of the context runs over the row's own pages
 after its prompt (`jkv.engine.replay`), then it selects like the others. The segment rebuild
 writes ordinary slots and low-rank pages (`jkv.engine.rebuild`). The kv dtype (float32,
 bfloat16, or fp8 with a bfloat16 scale per token) is one per engine.
@@ -326,12 +326,9 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
             if policy.rebuilds:  # and its low-rank pages
                 seq.keep += lowrank_slots(policy, len(ids), self.params.config, self.pool.page_size)
             if policy.evicts:  # a ring of `limit` slots per head once the prompt is in
-                seq.limit = policy.row_limit(len(ids))
+                seq.ring = policy.ring(policy.row_limit(len(ids)))
                 seq.keep = min(seq.limit, len(ids) + req.max_new_tokens)
             seq.cacheable = not policy.wants_mass
-            seq.raw_sink = policy.sink if policy.raw_keys else None
-            if policy.wants_mass:  # H2O: the settings its eviction rule takes per row
-                seq.mass_rule = (policy.recent, policy.protect, policy.scorer == "importance")
             if policy.needs_replay:  # KVzip: its replay is written after the prompt
                 seq.scratch = scratch_tokens(self.params, ids, policy)
                 room = self.rows.width * self.pool.page_size

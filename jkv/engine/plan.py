@@ -4,9 +4,10 @@ scheduler plans the step (`Scheduler.schedule`), so that packing the step's arra
 with the sequences while the device runs the step (async scheduling books placeholders,
 a read-back ends a request), and none of that reaches a plan already made.
 
-A row's layout in its page-table row (the prefix+tail layout of a compressed prompt, the ring of
-StreamingLLM or H2O) is worked out here, once: `row_plan` is where a StreamingLLM token takes its
-slot in the ring (`Sequence.ring_write`), as the scheduler plans the step that writes it.
+A row's layout in its page-table row (the prefix+tail layout of a compressed prompt, an
+evicting policy's ring) is worked out here, once: `row_plan` is where a ring's token takes its
+slot (`jkv.policies.base.Ring.write`, the policy's rule), as the scheduler plans the step that
+writes it.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class RowPlan(NamedTuple):
     shift: int = 0  # StreamingLLM: the rank shift of the ring's window
     mass_rule: tuple[int, int, bool] | None = None  # H2O's (recent, protect, importance)
     evict: bool = False  # H2O's ring is full: each head's lightest slot takes the token
-    limit: int = 1  # H2O's ring's slots
+    limit: int = 1  # a ring's slots
 
     @property
     def n(self) -> int:
@@ -44,23 +45,20 @@ class RowPlan(NamedTuple):
 
 
 def row_plan(seq, start: int, n: int, page: int) -> RowPlan:
-    """The plain row of `seq` computing its tokens `start .. start + n` (advancing a
-    StreamingLLM ring by the token it writes)."""
+    """The plain row of `seq` computing its tokens `start .. start + n` (a ring's token takes
+    its slot here: `Ring.write`, the evicting policy's rule)."""
     first = seq.n_prefix * page + seq.tail  # the first new token's tail slot
     base, n_prefix = (tuple(seq.base), seq.n_prefix) if seq.compressed else (0, 0)
     n_lowrank = seq.n_lowrank if seq.compressed else 0
     held, shift, evict, limit = seq.tail + n, 0, False, 1
-    if seq.ring and seq.raw_sink is not None:  # one token into StreamingLLM's ring
-        first, base, shift = seq.ring_write(start)
-        held = 0
-    elif seq.ring:  # H2O's: the next free slot, or (full) each head's lightest, on device
-        before = min(seq.base[0] + seq.tail, seq.limit)
-        evict, limit = before >= seq.limit, seq.limit
-        first, base, held = before, min(before + 1, seq.limit), 0
+    ring = seq.ring
+    if seq.in_ring:  # one token into the ring: a free slot, the rule's, or (H2O) the device's
+        first, base, shift, evict = ring.write(start)
+        held, limit = 0, ring.limit
     return RowPlan(
         request_id=seq.request_id, epoch=seq.epoch, blocks=seq.plan_blocks(), start=start,
         tokens=tuple(seq.token_slice(start, n)), samples=start + n == seq.num_tokens,
         computed=seq.num_computed, sampled=len(seq.output), first=first, held=held, base=base,
-        n_prefix=n_prefix, n_lowrank=n_lowrank, raw_sink=seq.raw_sink, shift=shift,
-        mass_rule=seq.mass_rule, evict=evict, limit=limit,
+        n_prefix=n_prefix, n_lowrank=n_lowrank, raw_sink=None if ring is None else ring.raw_sink,
+        shift=shift, mass_rule=None if ring is None else ring.mass_rule, evict=evict, limit=limit,
     )  # fmt: skip

@@ -160,9 +160,7 @@ class PolicySteps:
             sensitivity, replayed, backend=self.backend, policy=policy,
         )  # fmt: skip
         counts = read(self.lockstep, counts)
-        first = (
-            read(self.lockstep, first) if policy.raw_keys else None
-        )  # StreamingLLM's ring positions
+        first = read(self.lockstep, first) if policy.evicts else None  # a ring's positions
         for i, r in enumerate(ending):
             c = counts[i].reshape(-1).tolist()
             ring = None if first is None else first[i, : c[0]].tolist()
@@ -255,12 +253,12 @@ class PolicySteps:
 
     def _compact(self, seq, src, row, counts, ring=None) -> None:
         """The policy's selection made physical: each head's kept tokens move into the fewest
-        pages (`Scheduler.compress`), the rest go back to the pool; `ring`: a StreamingLLM
-        ring's kept positions in slot order (its host side starts from them)."""
+        pages (`Scheduler.compress`), the rest go back to the pool; `ring`: an evicting
+        policy's kept positions in slot order (its ring starts from them, `Ring.start`)."""
         if self.scheduler.compress_or_preempt(seq, counts) is None:
             return  # preempted for lack of pages: recomputed later
         if ring is not None:
-            seq.start_ring(ring)
+            seq.ring.start(ring)
         self._sync_rows()
         table = np.zeros(self.rows.width, np.int32)
         table[: len(seq.blocks)] = seq.blocks

@@ -6,7 +6,7 @@ write the new K and V into their pages and attend through each row's page table
 Prompts a policy compresses run here like a full cache's; their selection follows over the
 pool (`jkv.engine.select`). StreamingLLM's rows store their keys before RoPE, rotated on read at
 their rank in the cache (`PagedRows.raw`), and once compressed decode into a ring whose slot the
-host chooses (`Sequence.ring_write`: its rule ignores the tokens' content). H2O's rows add the
+host chooses (`jkv.policies.base.Ring`: its rule ignores the tokens' content). H2O's rows add the
 attention their queries pay to each slot's mass in the pool, and a full H2O ring's token goes,
 per head, to the slot H2O's rule picks on the device (`PagedRows.mass`). No row's context is
 copied into a dense array.

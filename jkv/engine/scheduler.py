@@ -159,7 +159,8 @@ class Scheduler:
         seq.n_prefix, seq.base, seq.prefix_pages, seq.n_lowrank = 0, None, 0, 0
         seq.num_computed = seq.num_cached = seq.shared_blocks = seq.published = 0
         seq.compressed = False  # recomputed from its tokens, it is compressed again
-        seq.ring_count, seq.ring_window = 0, None
+        if seq.ring is not None:
+            seq.ring.reset()
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -234,7 +235,7 @@ class Scheduler:
         least the policy's window (SnapKV's observation queries vote in one step); 0 when that
         cannot be met this step."""
         n = min(seq.to_compute, budget, self.chunk)
-        if seq.ring:
+        if seq.in_ring:
             return min(n, 1)  # a ring evicts one token per step (recomputed ones too)
         if not (seq.compresses and seq.prefilling):
             return n

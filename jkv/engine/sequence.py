@@ -12,10 +12,13 @@ So a decode step adds at most one block to a sequence, whatever the model's shap
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import enum
 import itertools
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jkv.policies.base import Ring
 
 EPOCHS = itertools.count(1)  # `Sequence.epoch`'s values, process-wide
 
@@ -59,14 +62,9 @@ class Sequence:
     compresses: bool = False  # a KV policy compresses its prompt once it is in the pages
     window: int = 0  # prompt tokens the policy's last prefill step must hold (SnapKV's window)
     keep: int = 0  # tokens a head holds at most once compressed, generated ones included
-    limit: int | None = None  # an evicting policy's slots per head once compressed (a ring)
     scratch: int = 0  # tokens its policy writes past the prompt before compressing (KVzip)
-    raw_sink: int | None = None  # keys stored before RoPE (StreamingLLM): its sink count
-    mass_rule: tuple[int, int, bool] | None = None  # H2O's (recent, protect, importance)
-    ring_count: int = 0  # a StreamingLLM ring: slots it holds
-    ring_window: collections.deque | None = (
-        None  # its (position, slot) past the sinks, oldest first
-    )
+    # An evicting policy's ring once compressed (`KVPolicy.ring`: its per-request state)
+    ring: Ring | None = None
     compressed: bool = False
     finish_reason: str | None = None
     error: str | None = None  # why it failed (a step that raised)
@@ -105,33 +103,19 @@ class Sequence:
         return self.compresses and not self.compressed and self.num_computed >= len(self.prompt)
 
     @property
-    def ring(self) -> bool:
+    def in_ring(self) -> bool:
         """Compressed by an evicting policy: fixed slots per head, overwritten in place."""
-        return self.compressed and self.limit is not None
+        return self.compressed and self.ring is not None
 
-    def start_ring(self, positions: list[int]) -> None:
-        """A StreamingLLM ring begins, holding the text `positions` in slot order (its kept
-        tokens: the sinks, then the most recent, ascending)."""
-        self.ring_count = len(positions)
-        first = min(self.raw_sink, self.limit - 1)  # a token from here on may be evicted
-        self.ring_window = collections.deque((p, s) for s, p in enumerate(positions) if p >= first)
+    @property
+    def limit(self) -> int | None:
+        """An evicting policy's slots per head once compressed (None: no ring)."""
+        return None if self.ring is None else self.ring.limit
 
-    def ring_write(self, position: int) -> tuple[int, int, int]:
-        """The token at `position` enters the ring (StreamingLLM's rule, `write_slots`): a free
-        slot while there is one, else the oldest token's past the sinks. Returns (its slot,
-        the slots held after it, the rank shift: a key past the sinks sits at rank position -
-        shift, so the window reads as contiguous text after the sinks, `cache_positions`)."""
-        first = min(self.raw_sink, self.limit - 1)
-        if self.ring_count < self.limit:
-            slot = self.ring_count
-            self.ring_count += 1
-        else:
-            _, slot = self.ring_window.popleft()
-        if position >= first:
-            self.ring_window.append((position, slot))
-        window = (p for p, _ in self.ring_window if p >= self.raw_sink)
-        oldest = next(window, None)
-        return slot, self.ring_count, 0 if oldest is None else oldest - self.raw_sink
+    @property
+    def raw_sink(self) -> int | None:
+        """Keys stored before RoPE (StreamingLLM): its sink count."""
+        return None if self.ring is None else self.ring.raw_sink
 
     @property
     def tail(self) -> int:
@@ -152,7 +136,7 @@ class Sequence:
     def blocks_after(self, n: int) -> int:
         """Blocks it needs to hold `n` more computed tokens."""
         page = self.page_size
-        if self.ring:
+        if self.in_ring:
             return self.n_prefix
         return self.n_prefix + -(-(self.tail + n) // page)
 

@@ -20,6 +20,7 @@ selections run inside jit, where the budget is per-row data (`Context.budgets`,
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import math
@@ -81,8 +82,9 @@ class KVPolicy:
     keeps_by_key_norms: ClassVar[bool] = False  # Quantile: its scores are the keys' norms
     raw_keys: ClassVar[bool] = False  # keys stored before RoPE, rotated by `cache_positions`
     factorises: ClassVar[bool] = False  # its rebuild runs an SVD (`compress_alone`)
-    # jkv.Engine serves it: by default a policy that selects once (`keep`), neither evicting
-    # while decoding nor rebuilding; the engine's rings (StreamingLLM, H2O) set it themselves
+    # jkv.Engine serves it: by default a policy that selects once (`keep`), or one that evicts
+    # while decoding and gives the engine its ring (`ring`); not one that rebuilds the cache
+    # unless it says so (the segment rebuild: `jkv.engine.rebuild`)
     served: ClassVar[bool] = True
 
     @property
@@ -96,7 +98,8 @@ class KVPolicy:
         `kv_policy="<name>"`): one file under jkv/policies/ is a plugin."""
         super().__init_subclass__(**kwargs)
         if "served" not in cls.__dict__:
-            cls.served = not cls.evicts and cls.rebuild is KVPolicy.rebuild
+            ringed = not cls.evicts or cls.ring is not KVPolicy.ring
+            cls.served = ringed and cls.rebuild is KVPolicy.rebuild
         if "name" in cls.__dict__:
             taken = REGISTRY.get(cls.name)
             if cls.name == "full" or (taken is not None and taken.__qualname__ != cls.__qualname__):
@@ -203,12 +206,59 @@ class KVPolicy:
         positions `q_pos` `[B, T]`) were written."""
         raise NotImplementedError(f"{type(self).__name__} stores rotated keys")
 
+    def ring(self, limit: int) -> Ring | None:
+        """An evicting policy's ring in `jkv.Engine` for one request of `limit` slots per kv
+        head (its rule of `write_slots`, on the host); None: the engine does not serve it."""
+        return None
+
     def observe(self, layer_index, layer, q, positions, n_new, mass, kernels):
         """Records what the policy scores by, after a layer's attention (`kernels`: the
         backend's `jkv.core.backends.Ops`); returns the layer."""
         if self.wants_mass and mass is not None and layer.scores is not None:
             return layer.replace(scores=layer.scores + mass)
         return layer
+
+
+class Ring:
+    """One request's ring in `jkv.Engine`, the per-request state of an evicting policy: once its
+    prompt is compressed the request holds `limit` slots per kv head, and each new token (one a
+    step) takes a free slot while there is one, else overwrites the one this rule picks. The
+    engine makes it with the request (`KVPolicy.ring`), starts it when the prompt's selection is
+    in the pages and asks it, as it plans each step, where the step's token goes
+    (`jkv.engine.plan.row_plan`). Every kv head holds the same tokens here (a rule by position).
+
+    The base rule: first in, first out (the oldest token leaves). A policy's own rule overrides
+    `start` and `write`; StreamingLLM's keeps its sinks (`jkv.policies.streaming.SinkRing`), H2O's leaves
+    the choice to the device (`jkv.policies.h2o.MassRing`).
+    """
+
+    raw_sink: int | None = None  # keys stored before RoPE: the sinks they are ranked after
+    mass_rule: tuple[int, int, bool] | None = None  # H2O's rule's settings (the device's choice)
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.reset()
+
+    def reset(self) -> None:
+        """Empty (the request is recomputed)."""
+        self.count = 0  # slots held
+        self.order: collections.deque[int] = collections.deque()  # slots, oldest token first
+
+    def start(self, positions: list[int]) -> None:
+        """The ring holds the text `positions` in slot order (the prompt's kept tokens)."""
+        self.count = len(positions)
+        self.order = collections.deque(sorted(range(self.count), key=positions.__getitem__))
+
+    def write(self, position: int) -> tuple[int, int, int, bool]:
+        """The token at `position` enters: (its slot, the slots held after it, the rank shift of
+        raw keys past the sinks (0 here), whether the device picks the slot instead)."""
+        if self.count < self.limit:
+            slot = self.count
+            self.count += 1
+        else:
+            slot = self.order.popleft()
+        self.order.append(slot)
+        return slot, self.count, 0, False
 
 
 # ------------------------------------------------------------------- selection helpers

@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
-from jkv.policies.base import KVPolicy, check_int, keep_recent_and_top, valid_slots
+from jkv.policies.base import KVPolicy, Ring, check_int, keep_recent_and_top, valid_slots
 from jkv.policies.importance import token_importance
 
 
@@ -23,7 +23,6 @@ class H2O(KVPolicy):
     """`budget` tokens: the `recent` newest + the heaviest hitters by accumulated attention."""
 
     name: ClassVar[str] = "h2o"
-    served: ClassVar[bool] = True  # the engine's ring (`lightest_slots` on the device)
     wants_mass: ClassVar[bool] = True
     observes: ClassVar[bool] = True
     evicts: ClassVar[bool] = True
@@ -55,6 +54,25 @@ class H2O(KVPolicy):
         return lightest_slots(layer, q_pos, limit, recent=jnp.full((b,), self.recent),
                               protect=jnp.full((b,), self.protect),
                               importance=jnp.full((b,), self.scorer == "importance"))  # fmt: skip
+
+    def ring(self, limit):
+        return MassRing(limit, (self.recent, self.protect, self.scorer == "importance"))
+
+
+class MassRing(Ring):
+    """H2O's ring in `jkv.Engine`: a new token takes a free slot while there is one; once full,
+    the device picks each head's lightest slot by the attention mass the pool keeps
+    (`lightest_slots` with `mass_rule`, inside the step), so the host only counts."""
+
+    def __init__(self, limit: int, mass_rule: tuple[int, int, bool]):
+        self.mass_rule = mass_rule  # (recent, protect, importance) per row, as data
+        super().__init__(limit)
+
+    def write(self, position):
+        if self.count < self.limit:
+            self.count += 1
+            return self.count - 1, self.count, 0, False
+        return self.limit, self.limit, 0, True
 
 
 def lightest_slots(layer, q_pos, limit, *, recent, protect, importance):

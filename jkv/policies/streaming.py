@@ -15,12 +15,13 @@ is the paper's rule exactly.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import ClassVar
 
 import jax.numpy as jnp
 
-from jkv.policies.base import KVPolicy, check_int, keep_recent_and_top, valid_slots
+from jkv.policies.base import KVPolicy, Ring, check_int, keep_recent_and_top, valid_slots
 
 _BIG = jnp.iinfo(jnp.int32).max
 
@@ -30,7 +31,6 @@ class StreamingLLM(KVPolicy):
     """Keeps `sink` attention sinks and a window of recent tokens; `budget` is their total."""
 
     name: ClassVar[str] = "streaming"
-    served: ClassVar[bool] = True  # the engine's ring (its slot rule, `Sequence.ring_write`)
     evicts: ClassVar[bool] = True
     raw_keys: ClassVar[bool] = True
 
@@ -59,6 +59,9 @@ class StreamingLLM(KVPolicy):
         full = layer.lengths >= limit[:, None]
         return jnp.where(full, oldest, layer.lengths).astype(jnp.int32)
 
+    def ring(self, limit):
+        return SinkRing(limit, self.sink)
+
     def cache_positions(self, layer, q_pos):
         # The window is contiguous text: its rank is sink + (position - oldest window position).
         valid = valid_slots(layer)
@@ -74,3 +77,39 @@ class StreamingLLM(KVPolicy):
         w0 = w_min[:, :1]  # [B, 1]
         q_rank = jnp.where(q_pos < self.sink, q_pos, self.sink + q_pos - w0)
         return jnp.where(valid, ranks, 0), q_rank
+
+
+class SinkRing(Ring):
+    """StreamingLLM's ring in `jkv.Engine` (`write_slots`' rule on the host): a new token takes
+    a free slot while there is one, else the oldest token's past the sinks; its keys are stored
+    before RoPE and ranked as contiguous text after the sinks (`cache_positions`)."""
+
+    def __init__(self, limit: int, sink: int):
+        self.raw_sink = sink
+        super().__init__(limit)
+
+    def reset(self) -> None:
+        self.count = 0
+        self.window: collections.deque[tuple[int, int]] = collections.deque()  # past the sinks
+
+    def start(self, positions):
+        """The ring holds `positions` in slot order (the sinks, then the most recent,
+        ascending)."""
+        self.count = len(positions)
+        first = min(self.raw_sink, self.limit - 1)  # a token from here on may be evicted
+        self.window = collections.deque((p, s) for s, p in enumerate(positions) if p >= first)
+
+    def write(self, position):
+        """(its slot, the slots held after it, the rank shift: a key past the sinks sits at rank
+        position - shift, so the window reads as contiguous text after the sinks, False)."""
+        first = min(self.raw_sink, self.limit - 1)
+        if self.count < self.limit:
+            slot = self.count
+            self.count += 1
+        else:
+            _, slot = self.window.popleft()
+        if position >= first:
+            self.window.append((position, slot))
+        window = (p for p, _ in self.window if p >= self.raw_sink)
+        oldest = next(window, None)
+        return slot, self.count, 0 if oldest is None else oldest - self.raw_sink, False

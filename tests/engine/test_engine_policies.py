@@ -76,12 +76,12 @@ def test_compressed_requests_arriving_at_random_steps_match_generate_alone(demo,
                 compressed.add(seq.request_id)
                 ps = engine.pool.page_size
                 prefix = np.array([engine.pool.row(b) for b in seq.blocks[: seq.n_prefix]])
-                slots = [seq.limit] * len(seq.base) if seq.ring else seq.base
+                slots = [seq.limit] * len(seq.base) if seq.in_ring else seq.base
                 assert (prefix != 0).sum(axis=0).tolist() == [-(-h // ps) for h in slots]
                 assert seq.pages == (prefix != 0).sum() + (len(seq.blocks) - seq.n_prefix) * len(
                     seq.base
                 )
-                assert len(seq.blocks) - seq.n_prefix == (0 if seq.ring else -(-seq.tail // ps))
+                assert len(seq.blocks) - seq.n_prefix == (0 if seq.in_ring else -(-seq.tail // ps))
         engine.pool.check()
     assert len(compressed) == sum(p is not None for p in policies)
     assert engine.pool.used_pages == 0

@@ -35,7 +35,7 @@ class FakeDevice:
         """(page, offset) of slot `slot` of head `head` (the layout of jkv.engine.sequence,
         written again here as the reference)."""
         ps = self.pool.page_size
-        if seq.compressed and not seq.ring and slot >= seq.base[head]:
+        if seq.compressed and not seq.in_ring and slot >= seq.base[head]:
             t = slot - seq.base[head]
             block = seq.blocks[seq.n_prefix + t // ps]
             return int(self.rows[block][head]), t % ps
@@ -49,7 +49,7 @@ class FakeDevice:
             for head in range(GROUP):
                 for i in range(s.n):
                     slot = held[head] + i
-                    assert not seq.ring, "the fake device has no ring"
+                    assert not seq.in_ring, "the fake device has no ring"
                     page, off = self.locate(seq, head, slot)
                     assert page != 0, "a write into the null page"
                     block = seq.blocks[self.block_index(seq, head, slot)]
@@ -64,7 +64,7 @@ class FakeDevice:
 
     def block_index(self, seq, head, slot):
         ps = self.pool.page_size
-        if seq.compressed and not seq.ring and slot >= seq.base[head]:
+        if seq.compressed and not seq.in_ring and slot >= seq.base[head]:
             return seq.n_prefix + (slot - seq.base[head]) // ps
         return slot // ps
 
