@@ -58,19 +58,15 @@ from jkv.core.sampling import SamplingArrays
 from jkv.engine.ahead import PLACEHOLDER, Ahead, AsyncSteps
 from jkv.engine.lockstep import read, run
 from jkv.engine.page_pool import PagePool
+from jkv.engine.plan import bucket, most_tokens
 from jkv.engine.policy_steps import PolicySteps
 from jkv.engine.pool_size import describe, pages_for_memory
-from jkv.engine.ragged import most_tokens, order, pack_ragged, ragged_step
+from jkv.engine.ragged import order, pack_ragged, ragged_step
 from jkv.engine.rebuild import lowrank_slots
 from jkv.engine.recovery import Recovery
 from jkv.engine.replay import scratch_tokens
 from jkv.engine.request_output import RequestOutput, Row
-from jkv.engine.runner import (
-    RowTables,
-    bucket,
-    empty_pool,
-    set_rows,
-)
+from jkv.engine.runner import RowTables, empty_pool, set_rows
 from jkv.engine.scheduler import Scheduler
 from jkv.engine.sequence import Sequence, Status
 from jkv.engine.streams import RequestFailed, Streams

@@ -8,11 +8,39 @@ A row's layout in its page-table row (the prefix+tail layout of a compressed pro
 evicting policy's ring) is worked out here, once: `row_plan` is where a ring's token takes its
 slot (`jkv.policies.base.Ring.write`, the policy's rule), as the scheduler plans the step that
 writes it.
+
+The sizes a step compiles for are plain arithmetic too (`bucket`, `token_buckets`,
+`token_bucket`): the scheduler fills a step up to its size (`Scheduler._fill`) and the runner
+pads it to the same one (`jkv.engine.ragged.pack_ragged`).
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
+
+
+def bucket(n: int, low: int = 1) -> int:
+    """The power of two >= max(n, low)."""
+    return max(low, 1 << max(0, (n - 1).bit_length()))
+
+
+def token_buckets(rows: int, most: int) -> list[int]:
+    """The token counts a step of `rows` rows (a power of two) compiles for, up to `most`:
+    `rows` itself (every row decoding one token), then powers of 4 above it and `most` (a step
+    with prefill chunks pads its tokens by less than 4x; few programs to compile)."""
+    sizes = {rows, most} | {4**i for i in range(1, most.bit_length()) if rows < 4**i < most}
+    return sorted(s for s in sizes if s <= max(rows, most))
+
+
+def most_tokens(rows: int, token_budget: int, chunk: int) -> int:
+    """The most tokens a step of `rows` rows (a bucket) can hold, as a power of two: the
+    budget's, or one chunk per row when that is less."""
+    return bucket(min(token_budget, rows * chunk))
+
+
+def token_bucket(t: int, rows: int, most: int) -> int:
+    """The smallest of `token_buckets(rows, most)` that holds `t` tokens."""
+    return next(s for s in token_buckets(rows, max(most, bucket(t))) if s >= t)
 
 
 class RowPlan(NamedTuple):

@@ -28,7 +28,8 @@ from jkv.core.paged import MassRows, PagedRows, as_bits, from_bits, make_paged_a
 from jkv.core.sampling import SamplingArrays, sample
 from jkv.core.step import flat_step
 from jkv.engine import programs
-from jkv.engine.runner import PagedKV, RowTables, bucket
+from jkv.engine.plan import bucket, token_bucket
+from jkv.engine.runner import PagedKV, RowTables
 from jkv.policies.h2o import lightest_slots
 from jkv_models.config import ModelConfig
 
@@ -96,25 +97,6 @@ def order(scheduled):
     """Decode rows first, longest first (the XLA path takes them in tiles of similar lengths),
     then prefill chunks."""
     return sorted(scheduled, key=lambda r: (r.n != 1, -r.row.computed if r.n == 1 else 0))
-
-
-def token_buckets(rows: int, most: int) -> list[int]:
-    """The token counts a step of `rows` rows (a power of two) compiles for, up to `most`:
-    `rows` itself (every row decoding one token), then powers of 4 above it and `most` (a step
-    with prefill chunks pads its tokens by less than 4x; few programs to compile)."""
-    sizes = {rows, most} | {4**i for i in range(1, most.bit_length()) if rows < 4**i < most}
-    return sorted(s for s in sizes if s <= max(rows, most))
-
-
-def most_tokens(rows: int, token_budget: int, chunk: int) -> int:
-    """The most tokens a step of `rows` rows (a bucket) can hold, as a power of two: the
-    budget's, or one chunk per row when that is less."""
-    return bucket(min(token_budget, rows * chunk))
-
-
-def token_bucket(t: int, rows: int, most: int) -> int:
-    """The smallest of `token_buckets(rows, most)` that holds `t` tokens."""
-    return next(s for s in token_buckets(rows, max(most, bucket(t))) if s >= t)
 
 
 def pack_ragged(plan_rows, row_tables: RowTables, group: int, page: int, most: int,

@@ -32,7 +32,8 @@ from jkv import kv as kvlib
 from jkv.core.backends import ops
 from jkv.core.paged import PagedRows, lowrank_rank, write_tokens
 from jkv.engine import programs
-from jkv.engine.runner import PagedKV, bucket, token_index
+from jkv.engine.plan import bucket
+from jkv.engine.runner import PagedKV, token_index
 from jkv.engine.select import prompt_slots
 from jkv.policies.base import Context
 from jkv.policies.segments import SegmentCapacity

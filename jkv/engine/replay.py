@@ -21,7 +21,8 @@ import numpy as np
 from jkv import kv as kvlib
 from jkv.core.paged import PagedRows
 from jkv.engine import programs
-from jkv.engine.runner import PagedKV, Rows, bucket, token_index
+from jkv.engine.plan import bucket
+from jkv.engine.runner import PagedKV, Rows, token_index
 from jkv.engine.select import pool_pass
 from jkv.policies.kvzip import replay_scores
 from jkv.replay import requests

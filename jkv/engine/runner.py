@@ -170,11 +170,6 @@ def compact(pool: PagedKV, src, table, counts, row=0) -> PagedKV:
     )  # fmt: skip
 
 
-def bucket(n: int, low: int = 1) -> int:
-    """The power of two >= max(n, low)."""
-    return max(low, 1 << max(0, (n - 1).bit_length()))
-
-
 class RowTables:
     """The page tables of the running sequences on the host, one row each, updated with what
     changed since the last step (vLLM's persistent block table): a decode step appends at most

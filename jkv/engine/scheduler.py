@@ -16,7 +16,7 @@ import itertools
 from collections import deque
 
 from jkv.engine.page_pool import OutOfPages, PagePool, block_hashes
-from jkv.engine.plan import RowPlan, row_plan
+from jkv.engine.plan import RowPlan, bucket, most_tokens, row_plan, token_bucket
 from jkv.engine.sequence import EPOCHS, Sequence, Status
 
 ADMISSIONS = ("reserve", "optimistic")
@@ -228,13 +228,14 @@ class Scheduler:
         need = self._to_finish(seq) + sum(self._to_finish(s) for s in self.running)
         return need <= self.pool.free_pages
 
-    def _chunk_for(self, seq: Sequence, budget: int) -> int:
-        """Tokens of `seq` for this step: at most a chunk and the budget left. A sequence whose
+    def _chunk_for(self, seq: Sequence, budget: int, chunk: int | None = None) -> int:
+        """Tokens of `seq` for this step: at most a chunk (`chunk`, else the scheduler's) and
+        the budget left. A sequence whose
         policy compresses its prompt stops a step at the prompt's end (compression happens
         there, before its generated tokens are written) and leaves its last prompt step at
         least the policy's window (SnapKV's observation queries vote in one step); 0 when that
         cannot be met this step."""
-        n = min(seq.to_compute, budget, self.chunk)
+        n = min(seq.to_compute, budget, self.chunk if chunk is None else chunk)
         if seq.in_ring:
             return min(n, 1)  # a ring evicts one token per step (recomputed ones too)
         if not (seq.compresses and seq.prefilling):
@@ -289,7 +290,30 @@ class Scheduler:
             self.running.append(seq)
             out.append(self._scheduled(seq, n))
             budget -= n
+        self._fill(out)
         return StepPlan(out, preempted)
+
+    def _fill(self, out: list[Scheduled]) -> None:
+        """Gives the tokens a step would pad to its compiled size (`token_bucket`: 7 decoding
+        rows and a 512-token chunk run as 1,024 tokens) to the prompts it prefills, past their
+        chunk: more of a prompt in the same step, whose model work is the padded size's anyway.
+        Never past the token budget, a prompt's end or a policy's window rule (`_chunk_for`),
+        nor with a page it cannot take without preempting; the step's rows and compiled shape
+        stay the same."""
+        t = sum(s.n for s in out)
+        rows = bucket(len(out))
+        size = token_bucket(t, rows, most_tokens(rows, self.token_budget, self.chunk))
+        room = min(size, self.token_budget) - t
+        for k, s in enumerate(out):
+            seq = s.seq
+            if room <= 0:
+                return
+            if not seq.prefilling or seq.in_ring or seq.status is not Status.RUNNING:
+                continue
+            n = self._chunk_for(seq, s.n + room, chunk=s.n + room)
+            if n > s.n and self._grow(seq, n):
+                out[k] = self._scheduled(seq, n)
+                room -= n - s.n
 
     def _scheduled(self, seq: Sequence, n: int) -> Scheduled:
         start = seq.num_computed

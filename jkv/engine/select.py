@@ -29,7 +29,8 @@ from jkv.core.backends import ops
 from jkv.core.paged import PagedRows, as_bits, from_bits, make_paged_attention
 from jkv.core.step import flat_step
 from jkv.engine import programs
-from jkv.engine.runner import PagedKV, Rows, bucket, token_index
+from jkv.engine.plan import bucket
+from jkv.engine.runner import PagedKV, Rows, token_index
 from jkv.policies.base import Context
 from jkv_kernels import bits_take
 

@@ -17,11 +17,12 @@ import numpy as np
 from jkv.core.paged import MassRows, PagedRows
 from jkv.core.sampling import SamplingArrays
 from jkv.engine import programs
+from jkv.engine.plan import bucket, most_tokens, token_buckets
 from jkv.engine.policy_steps import sensitivity_buckets, sensitivity_pass
-from jkv.engine.ragged import flat_logits, most_tokens, sample_rows, token_buckets
+from jkv.engine.ragged import flat_logits, sample_rows
 from jkv.engine.rebuild import paged_rebuild, rebuild_buckets, write_rebuilt
 from jkv.engine.replay import pack_replay, replay_piece, replay_span
-from jkv.engine.runner import bucket, compact, set_rows
+from jkv.engine.runner import compact, set_rows
 from jkv.engine.select import SELECT_ROWS, paged_select, vote_window, window_queries
 from jkv.policies import resolve
 from jkv.request import Request
@@ -31,7 +32,7 @@ class Warmup:
     def warmup(self, kv_policies=(), progress=None) -> float:
         """Compiles every program a request can need, so that no request compiles later: the
         flattened step at every (rows, tokens) bucket (rows: powers of two up to max_running;
-        tokens: `jkv.engine.ragged.token_buckets`); for each of `kv_policies` (names or
+        tokens: `jkv.engine.plan.token_buckets`); for each of `kv_policies` (names or
         `jkv.policies.KVPolicy` objects; budgets do not matter, they are data) its selection
         over the pool (1, 2 or 4 rows), its compaction, EffiCache's gradient pass per prompt
         bucket; every block-row update size.

@@ -36,7 +36,7 @@ def test_booking_a_step_changes_nothing_its_plan_packs():
     pool = PagePool(200, 4, 4)
     sched = Scheduler(pool, num_layers=2, num_kv_heads=2, token_budget=24, chunk=8,
                       max_running=3)  # fmt: skip
-    for i, (prompt, new) in enumerate([(10, 6), (5, 3), (23, 4)]):
+    for i, (prompt, new) in enumerate([(10, 6), (5, 3), (60, 4)]):
         sched.add(Sequence(f"r{i}", list(range(3, 3 + prompt)), new, arrival=i))
     for _ in range(2):
         plan = sched.schedule()

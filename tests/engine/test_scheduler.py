@@ -128,6 +128,34 @@ def test_one_request_prefills_in_chunks_then_decodes():
     assert pool.used_pages == 0
 
 
+def test_a_steps_padding_goes_to_the_prompt_it_prefills():
+    """3 decoding rows and a 16-token chunk (19 tokens) run as 64 (`token_bucket` for 4 rows,
+    a budget of 64): the prompt takes the 45 padded tokens too (16 before), and no step is
+    padded past what its rows need while a prompt still has tokens to run."""
+    from jkv.engine.plan import bucket, most_tokens, token_bucket
+
+    pool, sched, dev = make(pages=1000, token_budget=64, chunk=16)
+    for rid in "abc":
+        sched.add(seq(rid, [1, 2, 3], max_tokens=40))
+    first = sched.schedule()
+    sched.finish_step(first, dev.run(first))  # a, b, c prefilled: now decoding
+    sched.add(seq("long", range(1, 201), max_tokens=2))
+    sizes, padded = [], []
+
+    def on_step(plan):
+        n = {s.seq.request_id: s.n for s in plan.scheduled}
+        sizes.append(n)
+        rows = bucket(len(n))
+        size = token_bucket(plan.num_tokens, rows, most_tokens(rows, 64, 16))
+        prefilling = any(s.seq.prefilling for s in plan.scheduled)
+        padded.append(prefilling and plan.num_tokens < size)
+
+    run_all(sched, dev, on_step=on_step)
+    assert sizes[0] == {"a": 1, "b": 1, "c": 1, "long": 61}
+    assert sum(s.get("long", 0) for s in sizes) == 200 + 1  # the prompt, then one decode
+    assert not any(padded[:3])  # 61 + 61 + 61 + 17: only the prompt's last step is short
+
+
 def test_decodes_go_first_and_a_long_prompt_never_stalls_them():
     pool, sched, dev = make(token_budget=8, chunk=8)
     sched.add(seq("short", [1, 2, 3], max_tokens=30))
