@@ -28,6 +28,35 @@ def engine_capacity(results):
     return md(header, rows)
 
 
+@table("serve_compression_tuned_memory16")
+def serve_compression_tuned_memory16(results):
+    d = load(results, "serve_compression_tuned_memory16")
+    rows = [
+        [
+            "full cache" if r["config"] == "full" else "SnapKV 25% (tuned)",
+            "fp8" if r["kv_dtype"].startswith("float8") else r["kv_dtype"],
+            num(r["pages"]),
+            r["peak_requests"],
+            num(r["mean_requests"], 2),
+            num(r["x_requests"], 2),
+            num(r["tokens_per_s"], 2),
+            num(r["x_tokens_per_s"], 2),
+            f"{num(r['ttft_p50_s'], 1)} / {num(r['ttft_p99_s'], 1)}",
+            num(r["tpot_p50_ms"]),
+            r["correct"],
+            r["prefix_hits"],
+        ]
+        for r in d["rows"]
+    ]
+    floor = d["prefill_floor"]
+    rows.append(["the prompts alone (1 token each)", floor["kv_dtype"], "", "", "", "", "", "",
+                 f"{num(floor['seconds'], 1)} s in all", "", "",
+                 f"ceiling {num(floor['ceiling_x_tokens_per_s'], 2)}x"])  # fmt: skip
+    header = ["config", "kv", "pages", "peak requests", "mean", "x full", "tokens/s", "x full"]
+    header += ["TTFT P50 / P99 s", "TPOT P50 ms", "right", "prefix hits"]
+    return md(header, rows)
+
+
 @table("engine_host")
 def engine_host(results):
     rows = []

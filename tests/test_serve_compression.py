@@ -19,7 +19,7 @@ import pytest  # noqa: E402
 import serve_compression  # noqa: E402
 
 
-@pytest.mark.slow  # 90 s: two engines warmed up for four policies
+@pytest.mark.slow  # 100 s: two engines warmed up for five policies
 def test_serve_compression_tiny_run(tmp_path):
     src = write_tiny_checkpoint(tmp_path / "src", "llama", vocab_size=BPE_VOCAB,
                                 max_position_embeddings=2048)  # fmt: skip
@@ -28,11 +28,11 @@ def test_serve_compression_tiny_run(tmp_path):
     assert serve_compression.main([
         "--model", str(model), "--requests", "4", "--tokens", "100", "--fit", "3",
         "--decode-steps", "2", "--new-tokens", "3", "--token-budget", "64",
-        "--out", str(out), "--profile", str(tmp_path / "traces"),
+        "--out", str(out), "--profile", str(tmp_path / "traces"), "--floor",
     ]) == 0  # fmt: skip
     report = json.loads((out / "serve_compression.json").read_text())
     rows = {(r["view"], r["config"]): r for r in report["rows"]}
-    assert len(rows) == 8, sorted(rows)
+    assert len(rows) == 2 * len(serve_compression.DEFAULT), sorted(rows)
     for name in serve_compression.DEFAULT:
         batch, memory = rows["same batch", name], rows["same memory", name]
         assert batch["rows"] == 4 and batch["built"] == 0, batch
@@ -41,5 +41,7 @@ def test_serve_compression_tiny_run(tmp_path):
         assert 0 < batch["profile"]["xla_busy_ms"] and batch["profile"]["top"], batch["profile"]
         if name != "full":  # a 25% budget: each head's mean kept is a quarter of a prompt
             assert batch["held_mean"] * 3 < rows["same batch", "full"]["held_mean"], batch
+    floor = report["prefill_floor"]  # the prompts alone: a shorter run than any configuration's
+    assert 0 < floor["seconds"] and floor["ceiling_x_tokens_per_s"] > 0, floor
     full = rows["same memory", "full"]
     assert full["peak_requests"] <= 3, full  # the pool holds `fit` full requests
