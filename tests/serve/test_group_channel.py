@@ -192,9 +192,10 @@ def test_a_leader_counts_a_killed_or_hung_follower_lost(lost, how):
         took = time.monotonic() - start
         assert told == [leader.lost_reason] and "process 1 of the serving group" in told[0]
         assert ("closed" if how == "killed" else "silent for 3 s") in told[0], told
-        assert took < 2.5 if how == "killed" else 2.5 < took < 8, (
-            took
-        )  # closed: before the 3 s timeout
+        # closed: before the 3 s timeout; silent: 3 s after the last heartbeat, which came up
+        # to HEARTBEAT_S before the stop (2.42 s once, on a fresh clone)
+        quiet = 3.0 - group.HEARTBEAT_S
+        assert took < quiet if how == "killed" else quiet < took < 8, took
         with pytest.raises(RuntimeError, match="serving group is lost"):
             leader.tick()  # a step after that fails at once
         assert _wait(lambda: lost == [group.LOST_EXIT], group.DRAIN_S + 5)
