@@ -4,7 +4,8 @@ step, and who gives their pages back. Plain Python on ints (vLLM v1's scheduler,
 Each step has a token budget. Running sequences go first, oldest first (a decoding sequence
 needs one token; one still prefilling its next chunk), then waiting ones in arrival order
 (preempted ones at the front), each new admission taking its prompt's cached prefix from the
-pool and then a chunk of at most `chunk` tokens. When a running sequence cannot get the pages
+pool and then a chunk of at most `chunk` tokens (more where the step would otherwise pad to its
+compiled size: `Scheduler._fill`). When a running sequence cannot get the pages
 for its tokens, the newest running sequence is preempted: its pages go back and it waits to be
 recomputed. A request that could never fit in the pool is refused when it is added.
 """

@@ -228,8 +228,8 @@ class Ring:
     (`jkv.engine.plan.row_plan`). Every kv head holds the same tokens here (a rule by position).
 
     The base rule: first in, first out (the oldest token leaves). A policy's own rule overrides
-    `start` and `write`; StreamingLLM's keeps its sinks (`jkv.policies.streaming.SinkRing`), H2O's leaves
-    the choice to the device (`jkv.policies.h2o.MassRing`).
+    `start` and `write`; StreamingLLM's keeps its sinks (`jkv.policies.streaming.SinkRing`),
+    H2O's leaves the choice to the device (`jkv.policies.h2o.MassRing`).
     """
 
     raw_sink: int | None = None  # keys stored before RoPE: the sinks they are ranked after
