@@ -36,10 +36,11 @@ PREFILL_CHUNK = 512  # prompt tokens per prefill model step (a power of two >= M
 ATTENTION_BLOCK = 256  # key slots per step of the jnp flash-attention path
 
 
-def bucket(n: int) -> int:
-    """Every compiled size (prompt length, cache capacity, decode headroom) is a power of two,
-    at least MIN_BUCKET: the number of compiled variants grows with log(length), not length."""
-    return max(MIN_BUCKET, 1 << (max(int(n), 1) - 1).bit_length())
+def bucket(n: int, low: int = MIN_BUCKET) -> int:
+    """Every compiled size (prompt length, cache capacity, decode headroom, an engine step's
+    rows) is a power of two, at least `low`: the number of compiled variants grows with
+    log(length), not length."""
+    return max(low, 1 << (max(int(n), 1) - 1).bit_length())
 
 
 FINE_ABOVE = 4096  # slots

@@ -9,6 +9,7 @@ This package never imports `jkv` or `models`: every kernel is usable and testabl
 """
 
 from jkv_kernels._backend import (
+    as_narrow_bits,
     bits_take,
     scatter_set,
     window_set,
@@ -69,6 +70,7 @@ __all__ = [
     "ragged_paged_attention_reference",
     "ragged_paged_attention_xla",
     "scatter_set",
+    "as_narrow_bits",
     "bits_take",
     "window_set",
     "window_set_in_place",

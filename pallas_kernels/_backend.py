@@ -231,12 +231,26 @@ def window_set_in_place(buf, start, values, n_new=None):
     return lax.fori_loop(0, b * kh, write, buf)
 
 
+def narrow_bits(dtype):
+    """The unsigned integer type of an 8- or 16-bit float's bits; None for any other dtype."""
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize > 2:
+        return None
+    return jnp.uint8 if dtype.itemsize == 1 else jnp.uint16
+
+
+def as_narrow_bits(x):
+    """`x` as its bits if an 8- or 16-bit float (a free bitcast), else as it is."""
+    bits = narrow_bits(x.dtype)
+    return x if bits is None else lax.bitcast_convert_type(x, bits)
+
+
 def bits_slice(x, start, n, *, axis):
     """`lax.dynamic_slice_in_dim` with 8- and 16-bit floats sliced as their bits: sliced as
     floats, XLA:CPU widens (and hoists out of a loop) the whole buffer to float32 first."""
-    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize > 2:
+    bits = narrow_bits(x.dtype)
+    if bits is None:
         return lax.dynamic_slice_in_dim(x, start, n, axis=axis)
-    bits = jnp.uint8 if x.dtype.itemsize == 1 else jnp.uint16
     part = lax.dynamic_slice_in_dim(lax.bitcast_convert_type(x, bits), start, n, axis=axis)
     return lax.bitcast_convert_type(part, x.dtype)
 
@@ -244,9 +258,9 @@ def bits_slice(x, start, n, *, axis):
 def bits_take(x, index):
     """`x[index]` with 8- and 16-bit floats gathered as their bits: gathered as floats, XLA:CPU
     first widens the whole operand (a paged pool: every page, each call) to a wider float."""
-    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize > 2:
+    bits = narrow_bits(x.dtype)
+    if bits is None:
         return x[index]
-    bits = jnp.uint8 if x.dtype.itemsize == 1 else jnp.uint16
     return lax.bitcast_convert_type(lax.bitcast_convert_type(x, bits)[index], x.dtype)
 
 

@@ -15,9 +15,11 @@ Layout (the serving engine's pool: a page holds ONE kv head's `page_size` tokens
                                           (vLLM's cu_q_lens, as start and length)
     q_positions        [T]                text position of every query token
     rope (optional)    (raw [R] bool, sink [R], shift [R] int32, inv_freq [H/2] float32): row
-                       r's keys are stored before RoPE (a StreamingLLM ring) when raw[r], and
-                       rotated on read at their rank within the cache: pos if pos < sink[r],
-                       else pos - shift[r] (the caller rotates the queries to match)
+                       r is a StreamingLLM ring when raw[r]: its keys, stored rotated at their
+                       text positions like every row's, rank as contiguous text after its
+                       sinks, so a key at pos < sink[r] is turned on read by shift[r] more
+                       (RoPE's angles add: the query at text position p sees it at distance
+                       p - shift - pos, its rank's); the window's keys are read as stored
 
 Slot i of (r, k) lives at page `page_table[r, k, i // page_size]`, offset `i % page_size`. The
 step's new tokens are in the pool already (the caller writes them first), so a chunk of queries
@@ -127,10 +129,16 @@ def visible_slots(slots, lengths, gaps, pos, qpos, window):
     return ok
 
 
+def sink_turn(pos, sink, shift):
+    """The extra RoPE angle step of a ring's stored key at `pos` (`shift` below `sink`, else 0):
+    the sinks rank at their positions, the window at pos - `shift`, the query at its own."""
+    return jnp.where(pos < sink, shift, 0)
+
+
 def rotated_keys(x, pos, sink, shift, inv_freq):
-    """x `[..., H]` float32 rotated by RoPE at the rank `pos` has within a ring (pos below
-    `sink`: pos; else pos - `shift`; all broadcast to x's shape without H)."""
-    rank = jnp.where(pos < sink, pos, pos - shift).astype(jnp.float32)
+    """x `[..., H]` float32 (keys rotated at their positions) turned by RoPE as a ring reads
+    them (`sink_turn`; all broadcast to x's shape without H)."""
+    rank = sink_turn(pos, sink, shift).astype(jnp.float32)
     angles = rank[..., None] * inv_freq.astype(jnp.float32)
     angles = jnp.concatenate([angles, angles], axis=-1)
     half = x.shape[-1] // 2
@@ -264,8 +272,8 @@ def ragged_paged_attention_kernel(
     gap_ref = refs.pop(0) if gaps else None  # [2] slots [gap[0], gap[1]) hold nothing
     ks_ref = refs.pop(0) if fp8 else None  # [P, page_size] key scales
     vs_ref = refs.pop(0) if fp8 else None  # [P, page_size] value scales
-    # a ring's keys stored before RoPE: whether this row's are, its sinks and shift, and the
-    # inverse frequencies repeated over both halves [H]
+    # a StreamingLLM ring's: whether this row is one, its sinks and shift (its sinks' keys
+    # turned on read, `sink_turn`), and the inverse frequencies repeated over both halves [H]
     raw_ref, sink_ref, shift_ref, freq_ref = (refs.pop(0) for _ in range(4)) if rope else [None] * 4
     # the row's low-rank pages: table columns lr_start .. lr_start + lr_count
     lr_start_ref, lr_count_ref = (refs.pop(0) for _ in range(2)) if lowrank_rank else (None, None)
@@ -315,8 +323,8 @@ def ragged_paged_attention_kernel(
             kswap = decode(bk.load(k_ref.at[page[:, None], offs[:, None], swap[None, :]],
                                    mask=valid[:, None], other=0))  # fmt: skip
             kswap = kswap * jnp.where(cols < h // 2, -1.0, 1.0)[None, :]
-            rank = jnp.where(pos < sink_ref[()], pos, pos - shift_ref[()]).astype(jnp.float32)
-            angle = rank[:, None] * freq_ref[...][None, :]
+            turn = sink_turn(pos, sink_ref[()], shift_ref[()]).astype(jnp.float32)
+            angle = turn[:, None] * freq_ref[...][None, :]
             kb = jnp.where(raw_ref[()] != 0, kb * jnp.cos(angle) + kswap * jnp.sin(angle), kb)
         z = bk.dot(q, kb.astype(compute_dtype), trans_b=True)  # [rows_p, bs]
         if fp8:

@@ -97,20 +97,22 @@ def ragged_paged_attention_xla(
         log_w = None
         if weights:
             pos, log_w = split_positions(pos)
-        if rope is not None:  # a ring's keys, stored before RoPE, rotated at their ranks
-            raw, sink, shift = (x[rows] for x in rope_p)
-
-            def turn(kb):
-                turned = rotated_keys(kb, pos, sink[:, None, None], shift[:, None, None], rope[3])
-                return jnp.where(raw[:, None, None, None], turned, kb)
-
-            # blocks with no ring's row skip the rotation (a step serves every policy)
-            kb = lax.cond(jnp.any(raw), turn, lambda kb: kb, kb.reshape(w, kh, bs, h))
         slots = j * bs + jnp.arange(bs)
         stored = visible_slots(
             slots, lens[rows], None if gaps_p is None else gaps_p[rows], 0, 0, None
         )
         stored &= jnp.repeat(cols < m, page)
+        if rope is not None:  # a ring's sinks, turned to their rank (`sink_turn`)
+            raw, sink, shift = (x[rows] for x in rope_p)
+            turns = raw & (shift > 0)  # a ring past its first eviction
+            sinks = stored & turns[:, None, None] & (pos < sink[:, None, None])  # [W, K, S]
+
+            def turn(kb):
+                turned = rotated_keys(kb, pos, sink[:, None, None], shift[:, None, None], rope[3])
+                return jnp.where(sinks[..., None], turned, kb)
+
+            # only a block holding a ring's sinks (its first) is turned: the window reads as is
+            kb = lax.cond(jnp.any(sinks), turn, lambda kb: kb, kb.reshape(w, kh, bs, h))
         vb = jnp.where(stored[..., None], vb.reshape(w, kh, bs, h), 0.0)  # 0 x NaN is NaN
         return kb.reshape(w, kh, bs, h), vb, pos, stored, log_w
 

@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from jkv import kv as kvlib
 from jkv.core.backends import ops
-from jkv_kernels import quantize_reference, scatter_set
+from jkv_kernels import as_narrow_bits, quantize_reference, scatter_set
 from jkv_models.llama import rope
 
 
@@ -64,8 +64,9 @@ class PagedRows:
     tok_slot: jax.Array  # [T] int32 each token's tail slot (n_prefix * page_size + tail index)
     num_decode: jax.Array  # [] int32 rows [0, num_decode) hold one token each
     num_rows: jax.Array  # [] int32 real rows
-    # Rows whose keys are stored before RoPE (StreamingLLM), None when the step has none: key
-    # and query rotated at their rank, position below `sink`, else position - `shift`
+    # StreamingLLM's rings, None when the step has none: a ring ranks its tokens as contiguous
+    # text after its sinks, so its keys below position `sink` are turned on read by `shift`
+    # more (stored, like every row's, rotated at their text positions)
     raw: jax.Array | None = None  # [R] bool
     sink: jax.Array | None = None  # [R] int32
     shift: jax.Array | None = None  # [R] int32
@@ -172,7 +173,7 @@ def as_bits(pool: dict) -> dict:
     type could cost a copy of the pool at the program's edges, as it does on the CPU)."""
     if jax.default_backend() != "cpu":
         return dict(pool)
-    return {n: _bits(x) for n, x in pool.items()}
+    return {n: as_narrow_bits(x) for n, x in pool.items()}
 
 
 def from_bits(pool: dict, kv_dtype: str) -> dict:
@@ -186,12 +187,6 @@ def from_bits(pool: dict, kv_dtype: str) -> dict:
     return out
 
 
-def _bits(x):
-    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize > 2:
-        return x
-    return jax.lax.bitcast_convert_type(x, jnp.uint8 if x.dtype.itemsize == 1 else jnp.uint16)
-
-
 def write_tokens(pool, at, k, v, positions, kv_dtype: str):
     """The new tokens (`k`, `v` `[T, K, H]`, `positions` `[T]`) written at pool tokens `at`
     `[T, K]`; fp8 storage gets one bfloat16 scale per token (`kv_quantize`'s rule)."""
@@ -201,7 +196,7 @@ def write_tokens(pool, at, k, v, positions, kv_dtype: str):
     def put(name, values):  # into a float buffer, or into its bits (`as_bits`)
         buf = flat(pool[name])
         if not jnp.issubdtype(buf.dtype, jnp.floating):
-            values = _bits(values)
+            values = as_narrow_bits(values)
         out[name] = scatter_set(buf, at, values)
 
     if kv_dtype == "float8_e4m3fn":
@@ -237,25 +232,12 @@ def make_paged_attention(
     queries = not write if queries is None else queries
     inv_freq = jnp.asarray(config.inv_freq())
 
-    def ranks(positions, rows):
-        """`[1, T]` the positions queries and stored keys are rotated at: a raw row's rank."""
-        if rows.raw is None:
-            return positions
-        r = jnp.minimum(rows.tok_row, rows.raw.shape[0] - 1)
-        real = rows.tok_row < rows.raw.shape[0]
-        raw = rows.raw[r] & real & (positions[0] >= rows.sink[r])
-        return jnp.where(raw, positions[0] - rows.shift[r], positions[0])[None]
-
     def local(layer, q, k, v, positions, pool, rows):
         """Write and attend on the kv heads `k` holds (all, or this device's share)."""
-        q = rope(q, ranks(positions, rows)[:, :, None], inv_freq)[0]  # [T, N, H]
-        k_raw = k[0]
+        q = rope(q, positions[:, :, None], inv_freq)[0]  # [T, N, H]
         k = rope(k, positions[:, :, None], inv_freq)[0]  # [T, K, H]
-        rope_args = None
-        if rows.raw is not None:  # a ring's keys are stored as they left the projection
-            raw = rows.raw[jnp.minimum(rows.tok_row, rows.raw.shape[0] - 1)]
-            k = jnp.where(raw[:, None, None], k_raw, k)
-            rope_args = (rows.raw, rows.sink, rows.shift, inv_freq)
+        # a ring's sinks turned on read to their rank (`jkv_kernels.ragged_paged_attention`)
+        rope_args = None if rows.raw is None else (rows.raw, rows.sink, rows.shift, inv_freq)
         d = 0 if mesh is None else jax.lax.axis_index("model")  # this device's heads, pages
         heads = layer * config.num_kv_heads + d * k.shape[1] + jnp.arange(k.shape[1])
         first = d * pool["k"].shape[0]
@@ -293,8 +275,9 @@ def make_paged_attention(
 
         if rope_args is None or backend == "xla":  # the XLA path skips it block by block
             out = attend(rope_args)
-        else:  # a kernel with the rotation on read only in steps that hold a ring's row
-            out = jax.lax.cond(jnp.any(rows.raw), lambda: attend(rope_args), lambda: attend(None))
+        else:  # a kernel with the turn on read only in steps that hold a ring past its first
+            turns = jnp.any(rows.raw & (rows.shift > 0))  # eviction
+            out = jax.lax.cond(turns, lambda: attend(rope_args), lambda: attend(None))
         if heavy:
 
             def accumulating(mass):
@@ -307,7 +290,7 @@ def make_paged_attention(
 
     def attention(layer, q, k, v, positions, entry, pool):
         if queries:
-            entry = rope(q, ranks(positions, rows)[:, :, None], inv_freq)[0]
+            entry = rope(q, positions[:, :, None], inv_freq)[0]
         if mesh is None:
             out, pool = local(layer, q, k, v, positions, pool, rows)
             return out, entry, pool

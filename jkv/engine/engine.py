@@ -302,16 +302,15 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
     def _sequence(self, rid, ids, req, cache_salt, reserve) -> Sequence:
         policy = req.policy
         # Everything that changes what a cached block's bytes mean is in its key: the weights,
-        # the kv dtype, the key layout (a raw_keys policy stores keys before RoPE) and the
-        # tenant. Attention mass is a request's own (H2O never shares).
-        layout = "pre-rope" if policy is not None and policy.raw_keys else "rotated"
+        # the kv dtype and the tenant (every row's keys are stored rotated at their positions,
+        # StreamingLLM's too). Attention mass is a request's own (H2O never shares).
         seq = Sequence(
             rid,
             ids,
             req.max_new_tokens,
             arrival=0,
             eos_ids=self.eos_ids,
-            extra_keys=(self.params.version, self.kv_dtype, layout, cache_salt),
+            extra_keys=(self.params.version, self.kv_dtype, cache_salt),
             reserve=reserve,
         )
         if policy is not None:

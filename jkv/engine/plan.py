@@ -18,10 +18,12 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from jkv import kv as kvlib
+
 
 def bucket(n: int, low: int = 1) -> int:
-    """The power of two >= max(n, low)."""
-    return max(low, 1 << max(0, (n - 1).bit_length()))
+    """The power of two >= max(n, low) (`jkv.kv.bucket`, from 1)."""
+    return kvlib.bucket(n, low)
 
 
 def token_buckets(rows: int, most: int) -> list[int]:
@@ -61,7 +63,7 @@ class RowPlan(NamedTuple):
     base: tuple[int, ...] | int = 0  # a compressed prompt's kept tokens per head, or a ring's
     n_prefix: int = 0  # a compressed prompt's leading blocks
     n_lowrank: int = 0  # of them, the last ones: low-rank pages (the segment rebuild)
-    raw_sink: int | None = None  # keys stored before RoPE (StreamingLLM): its sinks
+    rank_sink: int | None = None  # StreamingLLM: the sinks its window ranks after
     shift: int = 0  # StreamingLLM: the rank shift of the ring's window
     mass_rule: tuple[int, int, bool] | None = None  # H2O's (recent, protect, importance)
     evict: bool = False  # H2O's ring is full: each head's lightest slot takes the token
@@ -87,6 +89,6 @@ def row_plan(seq, start: int, n: int, page: int) -> RowPlan:
         request_id=seq.request_id, epoch=seq.epoch, blocks=seq.plan_blocks(), start=start,
         tokens=tuple(seq.token_slice(start, n)), samples=start + n == seq.num_tokens,
         computed=seq.num_computed, sampled=len(seq.output), first=first, held=held, base=base,
-        n_prefix=n_prefix, n_lowrank=n_lowrank, raw_sink=None if ring is None else ring.raw_sink,
+        n_prefix=n_prefix, n_lowrank=n_lowrank, rank_sink=None if ring is None else ring.rank_sink,
         shift=shift, mass_rule=None if ring is None else ring.mass_rule, evict=evict, limit=limit,
     )  # fmt: skip

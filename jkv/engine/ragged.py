@@ -4,12 +4,12 @@ write the new K and V into their pages and attend through each row's page table
 (`jkv.core.paged`). The pool is donated: the step updates it in place.
 
 Prompts a policy compresses run here like a full cache's; their selection follows over the
-pool (`jkv.engine.select`). StreamingLLM's rows store their keys before RoPE, rotated on read at
-their rank in the cache (`PagedRows.raw`), and once compressed decode into a ring whose slot the
-host chooses (`jkv.policies.base.Ring`: its rule ignores the tokens' content). H2O's rows add the
-attention their queries pay to each slot's mass in the pool, and a full H2O ring's token goes,
-per head, to the slot H2O's rule picks on the device (`PagedRows.mass`). No row's context is
-copied into a dense array.
+pool (`jkv.engine.select`). StreamingLLM's rows store their keys as every row's, and their sinks
+are turned on read to their rank in the cache (`PagedRows.raw`); once compressed they decode
+into a ring whose slot the host chooses (`jkv.policies.base.Ring`: its rule ignores the tokens'
+content). H2O's rows add the attention their queries pay to each slot's mass in the pool, and a
+full H2O ring's token goes, per head, to the slot H2O's rule picks on the device
+(`PagedRows.mass`). No row's context is copied into a dense array.
 
 Compiled shapes: rows padded to powers of two (`bucket`), tokens to `token_bucket` (the rows
 themselves, or a power of 4); the row tables have their fixed width, so a step's shape never
@@ -123,8 +123,8 @@ def pack_ragged(plan_rows, row_tables: RowTables, group: int, page: int, most: i
     for i, r in enumerate(plan_rows):
         n = r.n
         base[i], n_prefix[i], held[i], lowrank[i] = r.base, r.n_prefix, r.held, r.n_lowrank
-        if r.raw_sink is not None:
-            raw[i], sink[i], shift[i] = True, r.raw_sink, r.shift
+        if r.rank_sink is not None:
+            raw[i], sink[i], shift[i] = True, r.rank_sink, r.shift
         if r.mass_rule is not None:  # H2O: its queries add mass
             on[i] = True
             recent[i], protect[i], importance[i] = r.mass_rule

@@ -36,7 +36,7 @@ class Sequence:
     max_tokens: int
     arrival: int  # admission order key (smaller: older)
     eos_ids: tuple[int, ...] = ()
-    extra_keys: tuple = ()  # prefix-cache keys of the first block (weights, dtype, layout, tenant)
+    extra_keys: tuple = ()  # prefix-cache keys of the first block (weights, dtype, tenant)
     cacheable: bool = True  # its full prompt blocks may be published and taken
     reserve: int | None = None  # tokens admission reserves for its output (None: max_tokens)
     page_size: int = 16  # tokens per block (set by the scheduler)
@@ -113,9 +113,10 @@ class Sequence:
         return None if self.ring is None else self.ring.limit
 
     @property
-    def raw_sink(self) -> int | None:
-        """Keys stored before RoPE (StreamingLLM): its sink count."""
-        return None if self.ring is None else self.ring.raw_sink
+    def rank_sink(self) -> int | None:
+        """A ring that ranks its window as contiguous text after its sinks (StreamingLLM): its
+        sink count."""
+        return None if self.ring is None else self.ring.rank_sink
 
     @property
     def tail(self) -> int:

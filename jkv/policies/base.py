@@ -232,7 +232,7 @@ class Ring:
     H2O's leaves the choice to the device (`jkv.policies.h2o.MassRing`).
     """
 
-    raw_sink: int | None = None  # keys stored before RoPE: the sinks they are ranked after
+    rank_sink: int | None = None  # the sinks a window ranked as contiguous text follows
     mass_rule: tuple[int, int, bool] | None = None  # H2O's rule's settings (the device's choice)
 
     def __init__(self, limit: int):
@@ -251,7 +251,7 @@ class Ring:
 
     def write(self, position: int) -> tuple[int, int, int, bool]:
         """The token at `position` enters: (its slot, the slots held after it, the rank shift of
-        raw keys past the sinks (0 here), whether the device picks the slot instead)."""
+        the window past the sinks (0 here), whether the device picks the slot instead)."""
         if self.count < self.limit:
             slot = self.count
             self.count += 1

@@ -81,11 +81,13 @@ class StreamingLLM(KVPolicy):
 
 class SinkRing(Ring):
     """StreamingLLM's ring in `jkv.Engine` (`write_slots`' rule on the host): a new token takes
-    a free slot while there is one, else the oldest token's past the sinks; its keys are stored
-    before RoPE and ranked as contiguous text after the sinks (`cache_positions`)."""
+    a free slot while there is one, else the oldest token's past the sinks; the window ranks as
+    contiguous text after the sinks (`cache_positions`' ranks). The engine stores every key
+    rotated at its text position: the window's distances to a query are then its ranks', and
+    the sinks are turned on read by the shift (`jkv_kernels.ragged_paged_attention`)."""
 
     def __init__(self, limit: int, sink: int):
-        self.raw_sink = sink
+        self.rank_sink = sink
         super().__init__(limit)
 
     def reset(self) -> None:
@@ -96,13 +98,13 @@ class SinkRing(Ring):
         """The ring holds `positions` in slot order (the sinks, then the most recent,
         ascending)."""
         self.count = len(positions)
-        first = min(self.raw_sink, self.limit - 1)  # a token from here on may be evicted
+        first = min(self.rank_sink, self.limit - 1)  # a token from here on may be evicted
         self.window = collections.deque((p, s) for s, p in enumerate(positions) if p >= first)
 
     def write(self, position):
         """(its slot, the slots held after it, the rank shift: a key past the sinks sits at rank
         position - shift, so the window reads as contiguous text after the sinks, False)."""
-        first = min(self.raw_sink, self.limit - 1)
+        first = min(self.rank_sink, self.limit - 1)
         if self.count < self.limit:
             slot = self.count
             self.count += 1
@@ -110,6 +112,6 @@ class SinkRing(Ring):
             _, slot = self.window.popleft()
         if position >= first:
             self.window.append((position, slot))
-        window = (p for p, _ in self.window if p >= self.raw_sink)
+        window = (p for p, _ in self.window if p >= self.rank_sink)
         oldest = next(window, None)
-        return slot, self.count, 0 if oldest is None else oldest - self.raw_sink, False
+        return slot, self.count, 0 if oldest is None else oldest - self.rank_sink, False

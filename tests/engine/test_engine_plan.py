@@ -68,7 +68,7 @@ def test_packing_a_streaming_ring_twice_gives_the_same_step(tiny_params):
             again = pack_ragged(rows, self.rows, sched.group, self.pool.page_size, 64)
             for a, b in zip(jax_leaves(first), jax_leaves(again), strict=True):
                 np.testing.assert_array_equal(a, b)
-            seen.append(any(r.raw_sink is not None and r.held == 0 for r in rows))  # the ring
+            seen.append(any(r.rank_sink is not None and r.held == 0 for r in rows))  # the ring
             return super()._dispatch_flat(scheduled)
 
     demo = tiny_params("llama")

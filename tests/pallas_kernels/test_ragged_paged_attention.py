@@ -101,12 +101,12 @@ def make_case(rng, q_lens, page, m, dtype, gaps: bool, uneven: bool = False):
 
 
 def with_rope(rng, a):
-    """`a` with some rows' keys stored before RoPE (a ring), their sinks and shifts random."""
+    """`a` with some rows StreamingLLM's rings, their sinks and shifts random."""
     r = len(a["q_len"])
     raw = rng.random(r) < 0.6
     raw[:2] = [True, False]
-    sink = rng.integers(0, 5, r).astype(np.int32)
-    shift = rng.integers(0, 30, r).astype(np.int32)
+    sink = rng.integers(4, 12, r).astype(np.int32)  # positions start at 1 or 2
+    shift = rng.integers(5, 30, r).astype(np.int32)
     inv_freq = (1e4 ** -(np.arange(H // 2) * 2 / H)).astype(np.float32)
     return {**a, "rope": (raw, sink, shift, inv_freq)}
 
@@ -153,8 +153,8 @@ def numpy_reference(a, window=None):
                 )
                 if a.get("rope") is not None and a["rope"][0][r]:
                     _, sink, shift, inv_freq = a["rope"]
-                    ranks = np.where(pos < sink[r], pos, pos - shift[r])
-                    kk = np.stack([rotated(x, y, inv_freq) for x, y in zip(kk, ranks, strict=True)])
+                    turn = np.where(pos < sink[r], shift[r], 0)  # the sinks: to their rank
+                    kk = np.stack([rotated(x, y, inv_freq) for x, y in zip(kk, turn, strict=True)])
                 kk, vv, log_w = kk[ok], vv[ok], log_w[ok]
                 if a.get("lowrank") is not None:  # each low-rank page's tokens: C^T.T @ B
                     start, count = a["lowrank"]
@@ -324,9 +324,10 @@ def test_pallas_kernel_matches_the_reference(rng, rel_err, q_lens, page, m, dtyp
 
 @pytest.mark.parametrize("dtype", ["f32", "fp8"])
 def test_ring_keys_are_rotated_on_read(rng, rel_err, dtype):
-    """Rows whose keys are stored before RoPE (StreamingLLM's rings) are rotated on read at
-    their rank in the cache (pos below the sinks, else pos - shift), by the XLA path and the
-    Pallas kernel, as the numpy loop does; the other rows are read as they are stored."""
+    """A StreamingLLM ring's sinks (pos below `sink`) are turned on read by the ring's shift
+    (its window ranks at pos - shift, the query at its text position: the sinks' distance is
+    then their rank's), by the XLA path and the Pallas kernel, as the numpy loop does; its
+    window and the other rows are read as they are stored."""
     a = with_rope(rng, make_case(rng, [1, 1, 6, 1, 3], 4, 5, dtype, True))
     ref = ragged_paged_attention_reference(**a)
     assert rel_err(ref, numpy_reference(a)) < 1e-5
