@@ -69,8 +69,8 @@ def static_batches(params, prompts):
 
 class StepClock:
     """Where an engine run's time goes, by wrapping the engine's two calls at the device
-    boundary: `to_host` (the host waiting for a step's tokens: host idle; in `engine` for a
-    step read at once, in `ahead` for one read a step late) and
+    boundary: `read` (`jkv.engine.lockstep.read`: the host waiting for a step's tokens: host
+    idle; in `engine` for a step read at once, in `ahead` for one read a step late) and
     `ragged_step` (a dispatch; the step before's output `last_tok` already computed when it is
     dispatched means the device had run out of work: it waited for the host)."""
 
@@ -78,12 +78,12 @@ class StepClock:
         self.waiting, self.dispatches, self.device_waited = 0.0, 0, 0
 
     def __enter__(self):
-        self.saved = engine_module.to_host, engine_module.ragged_step, ahead_module.to_host
-        real_host, real_step, _ = self.saved
+        self.saved = engine_module.read, engine_module.ragged_step, ahead_module.read
+        real_read, real_step, _ = self.saved
 
-        def to_host(x):
+        def read(link, x):
             t0 = time.perf_counter()
-            out = real_host(x)
+            out = real_read(link, x)
             self.waiting += time.perf_counter() - t0
             return out
 
@@ -92,12 +92,12 @@ class StepClock:
             self.device_waited += bool(args[8].is_ready())  # `last_tok`: the step before's
             return real_step(*args, **kwargs)
 
-        engine_module.to_host, engine_module.ragged_step = to_host, ragged_step
-        ahead_module.to_host = to_host
+        engine_module.read, engine_module.ragged_step = read, ragged_step
+        ahead_module.read = read
         return self
 
     def __exit__(self, *exc):
-        engine_module.to_host, engine_module.ragged_step, ahead_module.to_host = self.saved
+        engine_module.read, engine_module.ragged_step, ahead_module.read = self.saved
 
 
 def engine_run(params, prompts, async_scheduling=True):

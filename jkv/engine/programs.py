@@ -28,6 +28,7 @@ from pathlib import Path
 import jax
 import jaxlib
 import numpy as np
+from jax._src import config as jax_config  # its cache switch as a per-thread context
 
 import jkv_kernels
 import jkv_models
@@ -116,14 +117,25 @@ def compile(fn, *args, **kwargs) -> None:  # noqa: A001 - what it does
         except Exception as err:  # noqa: BLE001 - a stale or torn file: compiled again
             logging.getLogger("jkv.engine").warning("program %s not loaded (%s)", path, err)
     if compiled is None:
-        compiled = fn.lower(*args, **kwargs).compile()
-        if path is not None:
+        if path is None:
+            compiled = fn.lower(*args, **kwargs).compile()
+        else:  # compiled here, not read from JAX's own cache: see `_fresh`
+            with _fresh():
+                compiled = fn.lower(*args, **kwargs).compile()
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_bytes(pickle.dumps(serialize(compiled)))
             tmp.replace(path)  # whole or not at all
     with _lock:
         _table[key] = compiled
+
+
+def _fresh():
+    """JAX's persistent compilation cache off in this thread while a program to be saved is
+    built: an XLA:CPU executable JAX read back from its cache serializes without some of its
+    functions ("NOT_FOUND: Function wrapped_iota not found" when the saved program runs, in
+    every process that loads it; jax 0.10.2), so a saved program is always XLA's own output."""
+    return jax_config.enable_compilation_cache(False)
 
 
 def call(fn, *args, **kwargs):
