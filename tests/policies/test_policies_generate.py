@@ -90,7 +90,8 @@ def test_kv_bytes_are_the_live_arrays_and_memory_predicts_them(params, name, kv_
     assert list(predicted.slots) == result.stats["kv_capacity"]
 
 
-@pytest.mark.parametrize("name", NAMES)
+# PyramidKV is SnapKV with per-layer budgets (data to the same kernels): SnapKV's case runs them
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "pyramidkv"])
 def test_pallas_interpret_matches_xla(params, name):
     prompts = _prompts(params, [40, 23], seed=1)
     kw = dict(
