@@ -235,10 +235,10 @@ def part3(lengths, chunk) -> list[dict]:
             timings = {}
             try:
                 state = jkv.prefill(params, ids, **kw)  # compiles the step for this capacity
-                jax.block_until_ready(state)
+                jax.block_until_ready(state.state)
                 t0 = time.perf_counter()
                 state = jkv.prefill(params, ids, **kw)
-                jax.block_until_ready(state)
+                jax.block_until_ready(state.state)
                 timings["jkv_s"] = time.perf_counter() - t0
             except Exception as e:  # noqa: BLE001
                 timings["jkv_error"] = f"{type(e).__name__}: {str(e)[:120]}"

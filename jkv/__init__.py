@@ -11,6 +11,7 @@ from jkv.checkpoints import save as _save
 from jkv.checkpoints.export import export_hf
 from jkv.engine.engine import Engine, RequestOutput
 from jkv.generate import chat, generate, stream
+from jkv.kv_context import KVContext
 from jkv.memory import MemoryReport, memory
 from jkv.output import GenerationResult
 from jkv.params import Params
@@ -44,6 +45,7 @@ __all__ = [
     "EffiCache",
     "Engine",
     "GenerationResult",
+    "KVContext",
     "KVPolicy",
     "Params",
     "KVzip",

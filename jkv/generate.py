@@ -79,7 +79,7 @@ class Session:
         self.prompt_lengths = [len(p) for p in prompts]
         b = len(prompts)
         if kv_state is not None:
-            check_state(kv_state, cfg, b, req.kv_dtype)
+            kv_state = check_state(kv_state, params, b, req.kv_dtype)
             if req.policy is not None:
                 raise ValueError(
                     "kv_policy given beside kv_state: the state keeps the policy "
@@ -247,8 +247,9 @@ def generate(params: Params, prompt, *, kv_state=None, cache=None, **settings):
       allow_beyond_context: let the prompt plus `max_new_tokens` run past the model's trained
         context (`max_position_embeddings`); refused otherwise, except under StreamingLLM with a
         budget within the context. `stats["beyond_context"]` says whether it did.
-      kv_state: a state from `jkv.prefill` to continue (the prompt is appended to it; the
-        state itself is not consumed).
+      kv_state: a `jkv.KVContext` from `jkv.prefill` (or `KVContext.from_bytes`) to continue:
+        the prompt is appended to it, the context itself is not consumed; one computed by other
+        weights, another model's shape or another kv dtype is a ValueError.
       cache: a `jkv.ResponseCache`: answers come from L1, then L2 (Redis), then the model,
         which fills both. The key holds the prompt as the model reads it: token ids, or the
         text exactly (whitespace normalised only for a tokenizer that cannot see it; see

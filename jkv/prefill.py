@@ -19,6 +19,7 @@ from jkv import policies
 from jkv.core.backends import validate_backend
 from jkv.core.step import model_step, next_positions
 from jkv.kv import PREFILL_CHUNK, bucket, headroom
+from jkv.kv_context import KVContext, check_shape
 from jkv.limits import check_context, check_memory
 from jkv.memory import prefill_plan, step_tokens
 from jkv.params import Params
@@ -128,23 +129,17 @@ def prefill_chunked(
 
 
 # ------------------------------------------------------------------ the state a request needs
-def check_state(state, cfg: ModelConfig, batch: int, kv_dtype: str | None) -> None:
+def check_state(state, params: Params, batch: int, kv_dtype: str | None) -> kvlib.KVState:
+    """The KVState to continue from `kv_state` (a `KVContext` from `jkv.prefill`, checked against
+    these weights, or a bare `KVState`), once it fits `batch` rows of this model (ValueError)."""
+    if isinstance(state, KVContext):
+        return state.check(params, batch, kv_dtype)
     if not isinstance(state, kvlib.KVState):
         raise ValueError(
-            f"kv_state is a {type(state).__name__}; expected the KVState that jkv.prefill returned"
+            f"kv_state is a {type(state).__name__}; expected the KVContext that jkv.prefill returned"
         )
-    if state.batch_size != batch:
-        raise ValueError(f"kv_state holds {state.batch_size} rows but {batch} prompts were given")
-    layer = state.layers[0]
-    got = (len(state.layers), layer.k.shape[1], layer.k.shape[3])
-    want = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
-    if got != want:
-        raise ValueError(
-            "kv_state was made by another model: it holds (layers, kv heads, head dim) = "
-            f"{got}; these params expect {want}"
-        )
-    if kv_dtype is not None and kv_dtype != state.dtype:
-        raise ValueError(f"kv_dtype={kv_dtype!r} differs from the kv_state's {state.dtype!r}")
+    check_shape(state, params.config, batch, kv_dtype)
+    return state
 
 
 def prepare(
@@ -239,7 +234,7 @@ def prefill(
     backend=None,
     allow_beyond_context: bool = False,
     chunk: int = PREFILL_CHUNK,
-) -> kvlib.KVState:
+) -> KVContext:
     """Prefills (and compresses) a context once, to continue later from the returned state.
 
     `jkv.generate(params, question, kv_state=state)` then appends the question to the
@@ -260,7 +255,9 @@ def prefill(
         is O(chunk x key block), whatever the context's length.
 
     Returns:
-      The `KVState` (its `policy` attached).
+      A `jkv.KVContext`: the `KVState` (its `policy` attached), the token ids it was computed
+      from and the weights' fingerprint; `.nbytes` what it holds, `.to_bytes()` /
+      `KVContext.from_bytes` to store or send it.
     """
     if not isinstance(params, Params):
         raise ValueError(f"params is a {type(params).__name__}; expected jkv.Params")
@@ -284,7 +281,7 @@ def prefill(
         max_new_tokens=0,
         chunk=chunk,
     )
-    return state
+    return KVContext(state=state, tokens=tuple(map(tuple, prompts)), weights=params.version)
 
 
 def empty_state(

@@ -41,7 +41,7 @@ def score(
     params: Params,
     text,
     *,
-    kv_state: kvlib.KVState | None = None,
+    kv_state=None,
     backend=None,
     chunk: int = PREFILL_CHUNK,
 ):
@@ -58,7 +58,7 @@ def score(
     check_chunk(chunk)
     t = bucket(len(ids))
     if kv_state is not None:
-        check_state(kv_state, params.config, 1, None)
+        kv_state = check_state(kv_state, params, 1, None)
         kv, policy = kvlib.with_room(kv_state, t), kv_state.policy
     else:
         kv, policy = empty_state(params.config, 1, t, params.kv_dtype), None

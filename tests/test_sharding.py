@@ -35,9 +35,9 @@ SCRIPT = textwrap.dedent(
     for policy in (jkv.SnapKV(budget=0.5, window=4), jkv.H2O(budget=6, recent=2)):
         states = [jkv.prefill(p, prompts, kv_policy=policy) for p in (plain, sharded)]
         assert states[1].policy == states[0].policy == policy.jit_key(), states[1].policy
-        placed = shard_kv(states[0], mesh)
+        placed = shard_kv(states[0].state, mesh)
         assert placed.policy == states[0].policy and placed.dtype == states[0].dtype
-        np.testing.assert_array_equal(placed.limit, states[0].limit)
+        np.testing.assert_array_equal(placed.limit, states[0].state.limit)
         a = jkv.generate(plain, [[3, 4], [5, 6, 7]], kv_state=states[0], max_new_tokens=8)
         b = jkv.generate(sharded, [[3, 4], [5, 6, 7]], kv_state=states[1], max_new_tokens=8)
         for x, y in zip(a, b):
