@@ -280,3 +280,15 @@ def kv_decode(results):
         for s in settings
     ]
     return md(["setting", *(f"{n} tokens: tok/s" for n in lengths)], rows)
+
+
+@table("kvzip_cost")
+def kvzip_cost(results):
+    d = load(results, "kvzip_cost")
+    rows = [
+        [f"{r['tokens']:,}", num(r["prefill_s"], 2), num(r["kvzip_s"], 2),
+         num(r["compression_s"], 2), f"{num(r['x_prefill'], 2)}x"]
+        for r in d["rows"]
+    ]  # fmt: skip
+    return md(["context tokens", "prefill s", "KVzip prefill s", "its compression s",
+               "x the prefill"], rows)  # fmt: skip
