@@ -57,6 +57,26 @@ def serve_compression_tuned_memory16(results):
     return md(header, rows)
 
 
+def _kv(r) -> str:
+    return "fp8" if r["kv_dtype"].startswith("float8") else r["kv_dtype"]
+
+
+def _config(r) -> str:
+    return "full cache" if r["config"] == "full" else f"{r['config']} 25%"
+
+
+@table("serve_compression_all8_fp8")
+def serve_compression_all8_fp8(results):
+    d = load(results, "serve_compression_all8_fp8")
+    rows = [
+        [_config(r), _kv(r), r["rows"], num(r["step_ms"], 1), num(r["x_step"], 2),
+         num(r["tokens_per_s"], 1), num(r["held_mean"], 1)]
+        for r in d["rows"] if r["view"] == "same batch"
+    ]  # fmt: skip
+    header = ["config", "kv", "rows", "decode step ms", "x full", "tokens/s", "held per head"]
+    return md(header, rows)
+
+
 @table("engine_host")
 def engine_host(results):
     rows = []
