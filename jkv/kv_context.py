@@ -75,6 +75,27 @@ class KVContext:
             )
         return self.state
 
+    def pool_slots(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Its one row as the engine's pool takes it (`jkv.engine.runner.write_context`): the
+        slots each head holds `[L * K]` int32 (head h = layer * K + kv head), and the per-slot
+        arrays by the pool's names, `k`, `v` `[L * K, S, H]`, `positions` and fp8 scales
+        `[L * K, S]`, S the largest layer's capacity as a power of two (few compiled shapes)."""
+        layers = self.state.layers
+        s = kvlib.bucket(max(layer.capacity for layer in layers))
+        counts = np.concatenate([np.asarray(layer.lengths)[0] for layer in layers])
+        scaled = layers[0].k_scale is not None
+        names = ["k", "v", "positions"] + (["k_scale", "v_scale"] if scaled else [])
+        slots = {}
+        for name in names:
+            parts = [np.asarray(getattr(layer, name))[0] for layer in layers]  # [K, S_l, ...]
+            out = np.zeros((len(counts), s, *parts[0].shape[2:]), parts[0].dtype)
+            at = 0
+            for part in parts:
+                out[at : at + part.shape[0], : part.shape[1]] = part
+                at += part.shape[0]
+            slots[name] = out
+        return counts.astype(np.int32), slots
+
     def to_bytes(self) -> bytes:
         """The context as bytes: a msgpack header, then each held array's raw bytes."""
         arrays = list(_arrays(self.state))

@@ -43,11 +43,11 @@ class AsyncSteps:
 
     def _overlaps(self, plan) -> bool:
         """Whether `plan` can run ahead of the host: no row ends a prompt its policy compresses
-        (the compaction needs the host)."""
+        (the compaction needs the host) or one whose KV is read out (`Engine.prefill`)."""
         return (
             self.async_scheduling
             and self.lockstep is None
-            and not any(self._ends_compression(r) for r in plan.scheduled)
+            and not any(self._ends_compression(r) or self._ends_prefill(r) for r in plan.scheduled)
         )
 
     def _ahead(self, plan) -> Ahead:

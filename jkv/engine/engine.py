@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import itertools
 import threading
 import time
@@ -54,6 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jkv import kv as kvlib
 from jkv.core.sampling import SamplingArrays
 from jkv.engine.ahead import PLACEHOLDER, Ahead, AsyncSteps
 from jkv.engine.lockstep import read, run
@@ -66,11 +68,12 @@ from jkv.engine.rebuild import lowrank_slots
 from jkv.engine.recovery import Recovery
 from jkv.engine.replay import scratch_tokens
 from jkv.engine.request_output import RequestOutput, Row
-from jkv.engine.runner import RowTables, empty_pool, set_rows
+from jkv.engine.runner import RowTables, empty_pool, read_row, set_rows, write_context
 from jkv.engine.scheduler import Scheduler
 from jkv.engine.sequence import Sequence, Status
 from jkv.engine.streams import RequestFailed, Streams
 from jkv.engine.warmup import Warmup
+from jkv.kv_context import KVContext
 from jkv.memory import page_bytes
 from jkv.output import RowOutput
 from jkv.params import Params
@@ -234,22 +237,44 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
     # ------------------------------------------------------------------ messages
 
     def add_request(
-        self, prompt, *, request_id: str | None = None, cache_salt=None, reserve=None, **settings
-    ):
+        self, prompt, *, request_id: str | None = None, cache_salt=None, reserve=None,
+        kv_state=None, prefill_only: bool = False, **settings,
+    ):  # fmt: skip
         """Queues a prompt (text, UTF-8 bytes or token ids) with `jkv.generate`'s settings;
         `cache_salt` keeps a tenant's prefix-cache pages its own; `reserve`: the output tokens
         admission reserves pages for (default: all of max_new_tokens; past them it grows as
-        pages allow, preempted by the usual rule when they run out). Returns the request id.
-        Never waits for a running step.
+        pages allow, preempted by the usual rule when they run out); `kv_state`: a one-row
+        `jkv.KVContext` (`jkv.prefill`) the prompt continues, as `jkv.generate(kv_state=)` does:
+        its kept slots are written into the request's first pages when it is admitted (again
+        after a preemption), never recomputed, and the prompt (encoded without special tokens)
+        runs after them; `prefill_only`: the request ends at its prompt's end, once its KV
+        policy compressed it, sampling nothing: its last output (`finish_reason` "context")
+        carries its KV as a `jkv.KVContext` (`RequestOutput.context`, what `Engine.prefill`
+        returns). Returns the request id. Never waits for a running step.
 
         Raises:
           ValueError: a bad setting, a prompt past the model's context, one that could never
-            fit in the pool, a request id in use, or a setting the engine does not serve.
+            fit in the pool, a request id in use, a setting the engine does not serve, or a
+            context of other weights, shape or kv dtype, or one the engine cannot continue.
           RuntimeError: the engine is unhealthy (a failed step it could not recover from).
         """
         if not self.healthy:
             raise RuntimeError(f"the engine is unhealthy: {self.health_error}")
         req = Request.build(self.params, **settings)
+        if prefill_only:  # one step's logits, never a token: no output to reserve pages for
+            req = dataclasses.replace(req, max_new_tokens=1)
+            policy = req.policy
+            if policy is not None and (policy.evicts or policy.raw_keys or policy.rebuilds):
+                raise ValueError(
+                    f"kv_policy={policy.name!r} with prefill_only: a context is read out of the "
+                    "engine for policies that select once (SnapKV, KVzip, ...) or a full cache; "
+                    "prefill this one with jkv.prefill"
+                )
+        if kv_state is not None and req.policy is not None:
+            raise ValueError(
+                f"kv_policy={req.policy.name!r} given beside kv_state: the context was "
+                "compressed when it was prefilled; pass neither kv_policy nor kv_budget"
+            )
         self._check_policy(req.policy)
         if req.stop and self.params.tokenizer is None:
             raise ValueError(f"stop={req.stop!r}: stop strings need a model with a tokenizer")
@@ -262,12 +287,20 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
             isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 1
         ):
             raise ValueError(f"reserve={reserve!r}: expected an int >= 1 or None")
-        ids = prompt_ids(self.params, prompt, None)
+        ids = prompt_ids(self.params, prompt, None, special=kv_state is None)
+        context = None
+        if kv_state is not None:
+            context = self._context(kv_state)
+            ids = list(kv_state.tokens[0]) + ids
         self._check_length(ids, req)
         rid = f"req-{next(self._ids)}" if request_id is None else request_id
         if not isinstance(rid, str) or not rid:
             raise ValueError(f"request_id={request_id!r}: expected a non-empty str")
         seq = self._sequence(rid, ids, req, cache_salt, reserve)
+        if context is not None:
+            seq.context, seq.covered = context[0].tolist(), len(kv_state.tokens[0])
+            seq.cacheable = False
+        seq.prefill_only = bool(prefill_only)
         need = self.scheduler.need(seq)
         if need > self.pool.usable:
             raise ValueError(
@@ -281,8 +314,45 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
             self._known.add(rid)
         tok = self.params.tokenizer
         row = Row(req, RowOutput(tok, req.stop) if tok is not None else None)
+        row.context = context
+        if prefill_only:  # the policy its context is read out with: the request's or its context's
+            policy = req.policy if kv_state is None else kv_state.policy
+            row.context_policy = None if policy is None else policy.jit_key()
         self._post(("add", seq, row))
         return rid
+
+    def _context(self, ctx) -> tuple[np.ndarray, dict]:
+        """`ctx`'s slots as the pool takes them (`KVContext.pool_slots`), once it is known to be
+        a one-row context of these weights, shape and kv dtype that the engine can continue."""
+        if not isinstance(ctx, KVContext):
+            raise ValueError(
+                f"kv_state is a {type(ctx).__name__}; expected the jkv.KVContext that "
+                "jkv.prefill returned"
+            )
+        if ctx.batch_size != 1:
+            raise ValueError(
+                f"kv_state holds {ctx.batch_size} rows; a request continues one (jkv.prefill of "
+                "one prompt)"
+            )
+        ctx.check(self.params, 1, self.kv_dtype)
+        policy, layer = ctx.policy, ctx.layers[0]
+        if policy is not None and (policy.evicts or policy.raw_keys):
+            raise ValueError(
+                f"kv_state was prefilled with kv_policy={policy.name!r}, which evicts as it "
+                "decodes; the engine continues contexts of policies that select once (SnapKV, "
+                "KVzip, ...) or of a full cache"
+            )
+        if layer.lowrank is not None or layer.bias is not None:
+            raise ValueError(
+                f"kv_state was prefilled with kv_policy={policy.name!r}, whose merged or "
+                "low-rank slots the engine's pages do not hold; continue it with jkv.generate"
+            )
+        if int(np.asarray(ctx.state.next_position)[0]) != len(ctx.tokens[0]):
+            raise ValueError(
+                f"kv_state's next position {int(np.asarray(ctx.state.next_position)[0])} is "
+                f"not its {len(ctx.tokens[0])} tokens: a context that was continued already"
+            )
+        return ctx.pool_slots()
 
     def _check_length(self, ids, req) -> None:
         context = self.params.config.max_position_embeddings
@@ -409,6 +479,8 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
             plan = None
             try:
                 plan = self.scheduler.schedule() if self.scheduler.has_work else None
+                if plan is not None and plan.contexts:
+                    self._write_contexts(plan.contexts)
                 if plan is not None and self._overlaps(plan):
                     ahead = self._ahead(plan)
                     outs = self._read_back()
@@ -456,7 +528,15 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
         for r in plan.scheduled:
             if r.seq.status is Status.RUNNING and r.seq.awaits_compression:
                 self._compress(r.seq, *kept[r.seq.request_id])
-        return [
+        contexts = {}  # prefill-only requests whose prompt (compressed) is in the pages
+        for r in plan.scheduled:
+            seq = r.seq
+            if seq.prefill_only and seq.status is Status.RUNNING and not seq.prefilling:
+                if not seq.awaits_compression:
+                    contexts[seq.request_id] = self._read_context(seq)
+                    self.scheduler.finish(seq, "context")
+                    finished.add(seq.request_id)
+        outs = [
             self._output(
                 r.seq,
                 r.seq.request_id in finished,
@@ -466,6 +546,56 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
             for r in plan.scheduled
             if r.seq.request_id in sampled
         ]
+        for out in outs:
+            out.context = contexts.get(out.request_id)
+        return outs
+
+    def _ends_prefill(self, r) -> bool:
+        """Whether `r`'s step ends a prefill-only prompt (its KV is read out after it)."""
+        return r.seq.prefill_only and r.start + r.n == len(r.seq.prompt)
+
+    def _read_context(self, seq) -> KVContext:
+        """`seq`'s held slots (its prompt's, compressed or not) as a `jkv.KVContext`: each
+        layer's kept K, V, positions and fp8 scales per kv head, as `jkv.prefill` returns them."""
+        cfg, group = self.params.config, self.scheduler.group
+        self._sync_rows()
+        table = np.zeros(self.rows.width, np.int32)
+        table[: len(seq.blocks)] = seq.blocks
+        base = np.asarray(seq.base if seq.compressed else [0] * group, np.int32)
+        n_prefix = seq.n_prefix if seq.compressed else 0
+        held = seq.held(group)
+        out = run(self.lockstep, read_row, self.device, table, base, np.int32(n_prefix),
+                  np.int32(seq.tail), slots=bucket(max(held)))  # fmt: skip
+        out = {name: read(self.lockstep, x) for name, x in out.items()}
+        lengths = np.asarray(held, np.int32).reshape(cfg.num_layers, 1, cfg.num_kv_heads)
+        layers = []
+        for layer in range(cfg.num_layers):
+            part = {n: jnp.asarray(np.expand_dims(np.split(x, cfg.num_layers)[layer], 0))
+                    for n, x in out.items()}  # fmt: skip
+            layers.append(kvlib.LayerKV(lengths=jnp.asarray(lengths[layer]), **part))
+        n = len(seq.prompt)
+        state = kvlib.KVState(
+            layers=tuple(layers),
+            next_position=jnp.asarray([n], jnp.int32),
+            limit=jnp.asarray([kvlib.NO_LIMIT], jnp.int32),
+            dtype=self.kv_dtype,
+            policy=self._rows[seq.request_id].context_policy,
+        )
+        return KVContext(state=state, tokens=(tuple(seq.prompt),), weights=self.params.version)
+
+    def prefill(self, prompt, **settings) -> KVContext:
+        """`prompt` through the engine (with `add_request`'s settings: a KV policy and budget,
+        a `kv_state` it continues), its KV read out once its policy compressed it: the
+        `jkv.KVContext` `jkv.prefill` would return, from the engine's step. Runs the engine's
+        other requests meanwhile (as `generate` does). Raises RequestFailed if a step fails it."""
+        rid = self.add_request(prompt, prefill_only=True, **settings)
+        while True:
+            for out in self.step():
+                if out.request_id != rid or not out.finished:
+                    continue
+                if out.error is not None or out.context is None:
+                    raise RequestFailed(rid, out.error or f"it ended ({out.finish_reason})")
+                return out.context
 
     def _output(self, seq, finished: bool, cached: int, held: int, end=None) -> RequestOutput:
         """What a step did for `seq`: the tokens it sampled since the last output (of its first
@@ -484,6 +614,16 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
             self._forget(rid)
         return RequestOutput(rid, tokens, finished, reason, cached, text, seq.first_scheduled,
                              held, seq.preemptions)  # fmt: skip
+
+    def _write_contexts(self, seqs) -> None:
+        """The KV contexts of the sequences just admitted with one, into their prefixes (before
+        the step that reads them: the pool's updates run in order)."""
+        self._sync_rows()
+        for seq in seqs:
+            counts, slots = self._rows[seq.request_id].context
+            table = np.zeros(self.rows.width, np.int32)
+            table[: len(seq.blocks)] = seq.blocks
+            self.device = run(self.lockstep, write_context, self.device, table, counts, slots)
 
     def _sync_rows(self) -> None:
         """Tells the device the block rows the host changed since the last call."""

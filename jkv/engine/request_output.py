@@ -16,13 +16,16 @@ class RequestOutput:
     request_id: str
     new_tokens: list[int]
     finished: bool
-    finish_reason: str | None  # "stop", "length", "abort", "error"; None while running
+    finish_reason: str | None  # "stop", "length", "abort", "error", "context"; None while running
     cached_tokens: int  # prompt tokens taken from the prefix cache
     text: str = ""  # new text no later token can change (all of the rest once finished)
     scheduled_at: float | None = None  # time.monotonic() when a step first ran its prompt
     pages: int = 0  # pages it held in this step (all heads)
     preemptions: int = 0  # times it was preempted (its pages freed, its tokens recomputed)
     error: str | None = None  # finish_reason "error": what failed
+    context: object = (
+        None  # a prefill-only request's KV, a `jkv.KVContext` (finish_reason "context")
+    )
 
 
 class Row:
@@ -30,6 +33,8 @@ class Row:
 
     def __init__(self, req: Request, out: RowOutput | None):
         self.req, self.out = req, out
+        self.context = None  # a KV context's (counts, slots) it starts from (`Engine._context`)
+        self.context_policy = None  # prefill only: the policy its read-out context names
         self.tokens = 0  # tokens handed out
         self.pushed = 0  # tokens given to the stop-string search
         self.chars = 0  # characters of text handed out

@@ -170,6 +170,54 @@ def compact(pool: PagedKV, src, table, counts, row=0) -> PagedKV:
     )  # fmt: skip
 
 
+@programs.jit(donate_argnames=("pool",))
+def write_context(pool: PagedKV, table, counts, slots: dict) -> PagedKV:
+    """Writes a KV context's kept slots into one row's prefix, in place: `slots` its per-slot
+    arrays by the pool's names (`k`, `v` `[G, S, H]`, `positions` and fp8 scales `[G, S]`, G =
+    L * K heads); `table` `[W]` the row's blocks; `counts` `[G]` the slots each head holds. Slot i
+    of head h goes to slot i of its column (`compress`'s layout); H2O's mass starts at zero."""
+    g, s = counts.shape[0], slots["positions"].shape[1]
+    page = pool.page_size
+    i = jnp.arange(s, dtype=jnp.int32)
+    block = table[jnp.minimum(i // page, table.shape[0] - 1)]  # [S]
+    dst = pool.block_pages[block[None, :], jnp.arange(g)[:, None]] * page + i % page  # [G, S]
+    dst = jnp.where(i < counts[:, None], dst, pool.num_pages * page)
+    values = dict(slots)
+    if pool.mass is not None:
+        values["mass"] = jnp.zeros((g, s), jnp.float32)
+    return dataclasses.replace(
+        pool,
+        **{n: scatter_set(_flat(getattr(pool, n)), dst, x).reshape(getattr(pool, n).shape)
+           for n, x in values.items()},
+    )  # fmt: skip
+
+
+@programs.jit(static_argnames=("slots",))
+def read_row(pool: PagedKV, table, base, n_prefix, tail, *, slots: int) -> dict:
+    """One row's held slots of every head, as a dense cache holds them (`jkv.kv.LayerKV`):
+    `k`, `v` `[G, slots, H]`, `positions` and fp8 scales `[G, slots]` (G = L * K), slot i of
+    head h the i-th it holds (its kept prefix, `base[h]` of them, then its tail of `tail`
+    tokens; uncompressed: `base` 0, the tail all of it); past what a head holds, an empty
+    slot's values (`jkv.kv_context.SLOT_FIELDS`)."""
+    g, page = base.shape[0], pool.page_size
+    i = jnp.arange(slots, dtype=jnp.int32)[None, :]  # [1, S]
+    b = base[:, None]  # [G, 1]
+    logical = jnp.where(i < b, i, n_prefix * page + i - b)
+    block = table[jnp.clip(logical // page, 0, table.shape[0] - 1)]  # [G, S]
+    tok = pool.block_pages[block, jnp.arange(g)[:, None]] * page + logical % page
+    held = i < b + tail
+    out = {}
+    for name, empty in (("k", 0), ("v", 0), ("positions", -1), ("k_scale", 1), ("v_scale", 1)):
+        x = getattr(pool, name)
+        if x is None:
+            continue
+        x = _flat(x)[tok]
+        out[name] = jnp.where(
+            held[..., None] if x.ndim == 3 else held, x, jnp.array(empty, x.dtype)
+        )
+    return out
+
+
 class RowTables:
     """The page tables of the running sequences on the host, one row each, updated with what
     changed since the last step (vLLM's persistent block table): a decode step appends at most

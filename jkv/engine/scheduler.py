@@ -44,6 +44,8 @@ class Scheduled:
 class StepPlan:
     scheduled: list[Scheduled]
     preempted: list[Sequence]
+    # Admitted with a KV context (`Sequence.context`): its slots go into its prefix first
+    contexts: list[Sequence] = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -111,11 +113,19 @@ class Scheduler:
     def need(self, seq: Sequence) -> int:
         """Pages `seq` holds at most, alone: its prompt and max_tokens, or, compressed, the
         whole prompt beside the kept tokens' pages (a ring stops growing there)."""
+        if seq.context is not None:  # its context's pages, then its own tokens' blocks
+            return self._context_pages(seq) + self.pages_for(
+                len(seq.prompt) - seq.covered + seq.max_tokens
+            )
         need = self.pages_for(len(seq.prompt) + seq.max_tokens)
         if seq.compresses:
             both = self.pages_for(len(seq.prompt) + seq.scratch) + self.pages_for(seq.keep)
             need = both if seq.limit is not None else max(need, both)
         return need
+
+    def _context_pages(self, seq: Sequence) -> int:
+        page = self.pool.page_size
+        return sum(-(-k // page) for k in seq.context)
 
     def abort(self, request_id: str) -> Sequence | None:
         """Stops a request wherever it is; its pages go back. None if it is not here."""
@@ -203,6 +213,27 @@ class Scheduler:
         seq.num_computed = seq.num_cached = len(blocks) * page
         return len(hashes)
 
+    def _take_context(self, seq: Sequence) -> None:
+        """Starts the admission of a sequence that begins with a KV context: fresh blocks for
+        its prefix, each head's kept slots in its own column (`compress`'s layout), its
+        `covered` tokens counted as computed. The engine writes the slots before the step
+        runs (`StepPlan.contexts`). Raises OutOfPages, taking nothing, if the pool lacks them."""
+        page, pool = self.pool.page_size, self.pool
+        kept = seq.context
+        n_prefix = -(-max(kept) // page) if max(kept) else 0
+        cols = [[k > j * page for k in kept] for j in range(n_prefix)]
+        pages = pool.allocate_columns([h for c in cols for h, on in enumerate(c) if on])
+        if n_prefix > pool.free_block_ids:
+            pool.release_pages(pages)
+            raise OutOfPages(f"{n_prefix} block ids asked, {pool.free_block_ids} free")
+        fresh = iter(pages)
+        seq.blocks = [pool.new_block([next(fresh) if on else 0 for on in c]) for c in cols]
+        seq.epoch = next(EPOCHS)
+        seq.n_prefix, seq.base, seq.n_lowrank = n_prefix, list(kept), 0
+        seq.prefix_pages = len(pages)
+        seq.compressed, seq.shared_blocks, seq.published = True, 0, 0
+        seq.num_computed = seq.num_cached = seq.covered
+
     # ------------------------------------------------------------------ steps
 
     def _to_finish(self, seq: Sequence) -> int:
@@ -252,6 +283,7 @@ class Scheduler:
         budget = self.token_budget
         out: list[Scheduled] = []
         preempted: list[Sequence] = []
+        contexts: list[Sequence] = []  # admitted with a KV context: written before the step
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -274,9 +306,16 @@ class Scheduler:
             seq = self.waiting[0]
             if preempted and seq in preempted:
                 break  # freed this very step for lack of pages: not back before the next one
-            looked = self._take_prefix(seq)
+            looked = 0
+            if seq.context is None:
+                looked = self._take_prefix(seq)
+            else:
+                try:
+                    self._take_context(seq)
+                except OutOfPages:
+                    break  # the next step tries again
             n = self._chunk_for(seq, budget)
-            new_pages = self.pages_for(seq.num_computed + n) - len(seq.blocks) * self.group
+            new_pages = (seq.blocks_after(n) - len(seq.blocks)) * self.group
             if (
                 n == 0
                 or not self.pool.can_admit(new_pages)
@@ -290,9 +329,11 @@ class Scheduler:
             seq.status = Status.RUNNING
             self.running.append(seq)
             out.append(self._scheduled(seq, n))
+            if seq.context is not None:
+                contexts.append(seq)
             budget -= n
         self._fill(out)
-        return StepPlan(out, preempted)
+        return StepPlan(out, preempted, contexts)
 
     def _fill(self, out: list[Scheduled]) -> None:
         """Gives the tokens a step would pad to its compiled size (`token_bucket`: 7 decoding
@@ -331,7 +372,7 @@ class Scheduler:
                 continue  # aborted since the plan was made
             seq.num_computed += s.n
             self._publish(seq)
-            if not s.samples:
+            if not s.samples or seq.prefill_only:
                 continue
             tok = sampled[seq.request_id]
             seq.output.append(tok)
@@ -420,7 +461,7 @@ class Scheduler:
         seq.blocks, seq.epoch = new, next(EPOCHS)
         seq.n_prefix, seq.base, seq.n_lowrank = n_prefix, kept, n_low
         seq.prefix_pages = sum(sum(c) for c in cols)
-        seq.compressed, seq.shared_blocks = True, 0
+        seq.compressed, seq.shared_blocks, seq.covered = True, 0, len(seq.prompt)
         return old, new
 
     def make_room(self, seq: Sequence, tokens: int) -> bool:

@@ -2,12 +2,13 @@
 
 Plain Python on ints. A sequence's page table is ONE list of block ids for all its (layer, kv
 head) pairs (`jkv.engine.page_pool`). Uncompressed, token t of every head is in block
-t // page_size. Once a KV policy compressed it, the first `n_prefix` blocks hold each head's
-kept tokens (`base[h]` of them, head h = layer * num_kv_heads + kv head, with holes where a
-head keeps fewer), and the tokens written after the compression follow in whole blocks (the
-tail), token t of the tail in block n_prefix + t // page_size of every head. An evicting
-policy's ring has no tail: its prefix blocks hold `limit` slots per head, overwritten in place.
-So a decode step adds at most one block to a sequence, whatever the model's shape.
+t // page_size. Once a KV policy compressed it (or it started from a compressed context,
+`Engine.add_request(kv_state=)`), the first `n_prefix` blocks hold each head's kept tokens
+(`base[h]` of them, head h = layer * num_kv_heads + kv head, with holes where a head keeps
+fewer), and the tokens written after them follow in whole blocks (the tail), token t of the
+tail in block n_prefix + t // page_size of every head. An evicting policy's ring has no tail:
+its prefix blocks hold `limit` slots per head, overwritten in place. So a decode step adds at
+most one block to a sequence, whatever the model's shape.
 """
 
 from __future__ import annotations
@@ -56,6 +57,13 @@ class Sequence:
     n_lowrank: int = 0  # of them, the last ones: the segment rebuild's low-rank pages
     base: list[int] | None = None  # compressed: kept tokens per head (L * K of them)
     prefix_pages: int = 0  # compressed: pages its prefix blocks hold (holes excluded)
+    covered: int = 0  # compressed: the leading tokens its prefix stands for
+    # A KV context it starts from (`Engine.add_request(kv_state=)`): each head's kept slots,
+    # written into its prefix at every admission; its tokens lead the prompt (`covered` of them)
+    context: list[int] | None = None
+    # Prefill only (`Engine.prefill`): it ends at its prompt's end, once its policy compressed
+    # it, sampling nothing; its KV is read out as a `jkv.KVContext`
+    prefill_only: bool = False
     hashes: list[bytes] = dataclasses.field(default_factory=list)  # its prompt's block hashes
     shared_blocks: int = 0  # leading blocks taken from the prefix cache
     published: int = 0  # leading prompt blocks in the prefix cache
@@ -122,7 +130,7 @@ class Sequence:
     def tail(self) -> int:
         """Tokens in whole blocks after the prefix: all of them uncompressed, those written
         since the compression otherwise (a ring: written since, counted, not stored apart)."""
-        return self.num_computed - (len(self.prompt) if self.compressed else 0)
+        return self.num_computed - (self.covered if self.compressed else 0)
 
     def plan_blocks(self) -> tuple[int, ...]:
         """`blocks` as an immutable tuple for a step's plan, copied again only when they
