@@ -38,8 +38,12 @@ def check_messages(messages) -> list[dict]:
     return out
 
 
-def render(messages: list[dict], template: str | None, special: dict[str, str]) -> str:
-    """The prompt text of a conversation by `template` (None: `DEFAULT_CHAT_TEMPLATE`).
+def render(
+    messages: list[dict], template: str | None, special: dict[str, str],
+    generation_prompt: bool = True,
+) -> str:  # fmt: skip
+    """The prompt text of a conversation by `template` (None: `DEFAULT_CHAT_TEMPLATE`), with the
+    assistant turn's opening unless `generation_prompt` is False.
 
     Raises:
       ValueError: the template refused the messages (its `raise_exception`) or is broken.
@@ -54,7 +58,7 @@ def render(messages: list[dict], template: str | None, special: dict[str, str]) 
     env.globals["raise_exception"] = raise_exception
     try:
         return env.from_string(template or DEFAULT_CHAT_TEMPLATE).render(
-            messages=messages, add_generation_prompt=True, **special
+            messages=messages, add_generation_prompt=generation_prompt, **special
         )
     except jinja2.TemplateError as e:
         raise ValueError(f"the chat template refused these messages: {e}") from None

@@ -51,6 +51,8 @@ class Answer:
         )
         self.text: list[str] = []
         self.tokens: list[int] = []
+        context = settings.get("kv_state")  # a context's tokens come first (POST /v1/contexts)
+        self.prompt_tokens = len(ids) + (0 if context is None else len(context.tokens[0]))
         self.queued = True
         server.in_flight += 1
 
@@ -83,7 +85,7 @@ class Answer:
             answer = {"text": "".join(self.text), "tokens": self.tokens,
                       "finish_reason": rec.finish_reason}  # fmt: skip
             await asyncio.to_thread(_fill, self.miss, answer)
-        return oa.usage(len(self.ids), len(self.tokens), rec.cached_tokens, None)
+        return oa.usage(self.prompt_tokens, len(self.tokens), rec.cached_tokens, None)
 
     def _close(self, error: str | None = None) -> None:
         self._release()

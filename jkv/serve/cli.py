@@ -88,6 +88,21 @@ def add_subcommand(sub) -> None:
     s.add_argument("--reserve-tokens", type=int, default=128,
                    help="output tokens admission reserves for a request without max_tokens "
                    "(it takes more pages as it needs them)")  # fmt: skip
+    s.add_argument(
+        "--context-host-bytes",
+        type=int,
+        default=1 << 30,
+        metavar="BYTES",
+        help="host RAM for the KV of contexts (POST /v1/contexts); past it the least "
+        "recently used one's KV is dropped and prefilled again when next named",
+    )
+    s.add_argument(
+        "--max-context-bytes-per-tenant",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="KV bytes one API key's tenant may hold in contexts (default: any)",
+    )
     s.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help=f"a key clients must send as 'Authorization: Bearer KEY' (repeatable; "
                    f"each its own tenant; also ${auth.ENV})")  # fmt: skip
@@ -413,6 +428,8 @@ def _run_with(args, defaults, keys, cache, events, log, link=None) -> int:
         max_prompt_chars=args.max_prompt_chars,
         api_keys=keys,
         protect_health_metrics=args.protect_health_metrics,
+        context_host_bytes=args.context_host_bytes,
+        max_context_bytes_per_tenant=args.max_context_bytes_per_tenant,
     )
     if link is not None:  # the leader: its engine's steps are the group's
         link.attach(engine)

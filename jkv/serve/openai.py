@@ -120,6 +120,7 @@ class ParsedRequest:
     include_usage: bool
     cache_salt: str | None
     seeded: bool  # deterministic: greedy or an explicit seed (may use the response cache)
+    context: str | None = None  # a context's id (POST /v1/contexts): its tokens come first
 
     @property
     def operation(self) -> str:
@@ -164,7 +165,7 @@ def _stop(body):
     return stop
 
 
-def _prompt(body):
+def prompt_of(body):
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
@@ -197,7 +198,7 @@ def _check_length(param: str, n: int, max_chars: int | None) -> None:
         )
 
 
-def _messages(body) -> list[dict]:
+def messages_of(body) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages", f"messages={messages!r:.80}: expected a non-empty list")
@@ -232,10 +233,13 @@ def _messages(body) -> list[dict]:
     return out
 
 
-def render_chat(messages: list[dict], template: str | None, special: dict[str, str]) -> str:
-    """The prompt text of a conversation (`jkv.chat.render`); 400 when the template refuses."""
+def render_chat(
+    messages: list[dict], template: str | None, special: dict[str, str], generation: bool = True
+) -> str:
+    """The prompt text of a conversation (`jkv.chat.render`; `generation`: with the assistant
+    turn's opening); 400 when the template refuses."""
     try:
-        return render(messages, template, special)
+        return render(messages, template, special, generation_prompt=generation)
     except ValueError as e:
         raise bad("messages", str(e)) from None
 
@@ -252,14 +256,14 @@ def parse(
         raise bad("model", f"model={model!r}: expected the served model's name (GET /v1/models)")
     unsupported.check(body, bad)
     if kind == "chat":
-        messages = _messages(body)
+        messages = messages_of(body)
         _check_length("messages", sum(len(m["content"]) for m in messages), max_chars)
         prompt = render_chat(messages, chat_template, special or {})
         max_tokens = _int(body, "max_completion_tokens", 1)
         if max_tokens is None:
             max_tokens = _int(body, "max_tokens", 1)
     else:
-        prompt = _prompt(body)
+        prompt = prompt_of(body)
         _check_length("prompt", len(prompt), max_chars)
         max_tokens = _int(body, "max_tokens", 1)
         max_tokens = 16 if max_tokens is None else max_tokens
@@ -297,6 +301,9 @@ def parse(
         stop=_stop(body),
     )
     settings.update(jkv_settings(body))
+    context = body.get("context")
+    if context is not None and (not isinstance(context, str) or not context):
+        raise bad("context", f"context={context!r:.60}: expected a context id (POST /v1/contexts)")
     return ParsedRequest(
         kind=kind,
         model=model,
@@ -307,6 +314,7 @@ def parse(
         include_usage=bool(options.get("include_usage", False)),
         cache_salt=salt,
         seeded=greedy or seed is not None,
+        context=context,
     )
 
 

@@ -44,6 +44,7 @@ from jkv.response_cache.miss import Lookup
 from jkv.serve import auth, body
 from jkv.serve import openai as oa
 from jkv.serve.answer import Answer, stopped
+from jkv.serve.contexts import ContextStore, ttl_of
 from jkv.serve.metrics import Observability, RequestRecord
 from jkv.tokenizer import read_chat_template
 
@@ -81,6 +82,9 @@ class Server:
         special_tokens: names the template may use (bos_token, eos_token).
         defaults: settings for requests that do not give them (kv_policy, kv_budget).
         span_exporter: an OpenTelemetry span exporter (default: OTLP when OTEL_* is set).
+        context_host_bytes: host RAM for the KV of contexts (`POST /v1/contexts`); past it the
+            least recently used one's KV is dropped and prefilled again when next named.
+        max_context_bytes_per_tenant: the KV bytes one tenant's contexts may hold (None: any).
     """
 
     def __init__(
@@ -102,6 +106,8 @@ class Server:
         api_keys=None,
         protect_health_metrics: bool = False,
         span_exporter=None,
+        context_host_bytes: int = 1 << 30,
+        max_context_bytes_per_tenant: int | None = None,
     ):
         for name, value in (("max_queued_requests", max_queued_requests),
                             ("max_queued_tokens", max_queued_tokens),
@@ -138,6 +144,7 @@ class Server:
         self.queued_tokens = 0
         self.in_flight = 0
         self.created = int(time.time())
+        self.contexts = ContextStore(context_host_bytes, max_context_bytes_per_tenant)
         self.app = self._build()
 
     # -- the app ----------------------------------------------------------------------------
@@ -235,6 +242,19 @@ class Server:
         async def chat(request: Request):
             return await self._serve("chat", request)
 
+        @app.post("/v1/contexts")
+        async def create_context(request: Request):
+            return await self._create_context(request)
+
+        @app.get("/v1/contexts/{context_id}")
+        async def get_context(context_id: str, request: Request):
+            return self.contexts.get(context_id, self._tenant(request)).describe()
+
+        @app.delete("/v1/contexts/{context_id}")
+        async def delete_context(context_id: str, request: Request):
+            self.contexts.delete(context_id, self._tenant(request))
+            return {"id": context_id, "object": "context.deleted", "deleted": True}
+
         return app
 
     # -- one request ------------------------------------------------------------------------
@@ -257,19 +277,26 @@ class Server:
         try:
             raw = await body.read(request, self.max_body_bytes, self.request_timeout)
             # JSON, templating and tokenisation in a worker: the loop never waits on them
-            req, ids, settings, jreq = await asyncio.to_thread(self._prepare, kind, raw)
+            req, ids, settings, jreq, entry = await asyncio.to_thread(
+                self._prepare, kind, raw, tenant
+            )
         except oa.APIError as err:
             self.obs.reject(REJECTED.get(err.status, "invalid_request"))
             raise
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         salt = auth.cache_salt(tenant, req.cache_salt)  # a client's salt narrows its tenant's
         rec = RequestRecord(rid, req.operation, arrival, tenant=salt, tenant_name=tenant)
-        rec.prompt_tokens, rec.max_tokens = len(ids), settings["max_new_tokens"]
+        rec.prompt_tokens = len(ids) + (0 if entry is None else len(entry.tokens))
+        rec.max_tokens = settings["max_new_tokens"]
         rec.temperature, rec.top_p = jreq.sampling.temperature, req.settings["top_p"]
         rec.seed = jreq.seed if req.seeded else None
         span = self.obs.start_span(rec, request.headers)
         try:
-            found = await self._lookup(req, jreq, ids, rec)
+            found = None
+            if entry is None:  # a context's answers are not cached (its KV shapes them)
+                found = await self._lookup(req, jreq, ids, rec)
+            else:
+                settings = {**settings, "kv_state": await self._context_kv(entry)}
             if isinstance(found, Lookup):
                 return self._cached(req, rid, rec, found, span)
             self._admit(len(ids))
@@ -288,8 +315,9 @@ class Server:
                 self.report(rec, span)
             raise
 
-    def _prepare(self, kind: str, raw: bytes):
-        """A body -> (its request, the prompt's ids, the settings, their validated form)."""
+    def _prepare(self, kind: str, raw: bytes, tenant=None):
+        """A body -> (its request, the prompt's ids, the settings, their validated form, the
+        context it names or None)."""
         data = body.loads(raw)
         req = oa.parse(
             kind,
@@ -306,7 +334,17 @@ class Server:
                 param="model",
                 code="model_not_found",
             )
-        return req, *self._settings(req)
+        entry = None
+        if req.context is not None:
+            entry = self.contexts.get(req.context, tenant)
+            for name in ("kv_policy", "kv_budget"):
+                if name in req.settings:
+                    raise oa.bad(
+                        name,
+                        f"{name} given beside context={req.context!r}: the context was "
+                        "compressed when it was created (POST /v1/contexts)",
+                    )
+        return req, *self._settings(req, entry), entry
 
     def _check_kv_dtype(self, value) -> None:
         """A body's `kv_dtype`: the server's own is accepted (it changes nothing), any other
@@ -321,15 +359,22 @@ class Server:
                 f"(jkv serve --kv-dtype); this one stores {self.engine.kv_dtype}",
             )
 
-    def _settings(self, req: oa.ParsedRequest):
-        """The prompt's ids, `jkv.generate`'s settings and their validated form, or 400."""
+    def _settings(self, req: oa.ParsedRequest, entry=None):
+        """The prompt's ids, `jkv.generate`'s settings and their validated form, or 400. After
+        a context (`entry`), the prompt continues its tokens: no special tokens, and the
+        context's tokens count against the model's length."""
         try:
             # a chat's template placed its special tokens; a completion's prompt gets the bos
-            # token as jkv.generate gives it
-            ids = prompt_ids(self.params, req.prompt, None, special=req.kind != "chat")
+            # token as jkv.generate gives it, unless it continues a context
+            special = req.kind != "chat" and entry is None
+            ids = prompt_ids(self.params, req.prompt, None, special=special)
         except ValueError as e:
             raise oa.bad("messages" if req.kind == "chat" else "prompt", str(e)) from None
-        context = self.engine.max_model_len
+        bos = self.params.config.bos_token_id
+        if entry is not None and len(ids) > 1 and ids[0] == bos:  # a template's bos: one already
+            ids = ids[1:]
+        before = 0 if entry is None else len(entry.tokens)
+        context = self.engine.max_model_len - before
         if len(ids) > context:
             raise oa.bad(
                 "messages" if req.kind == "chat" else "prompt",
@@ -347,6 +392,8 @@ class Server:
         defaults = self.defaults
         if "kv_policy" in req.settings:  # the server's budget belongs to the server's policy
             defaults = {k: v for k, v in defaults.items() if k != "kv_budget"}
+        if entry is not None:  # its context's policy shaped its KV already
+            defaults = {k: v for k, v in defaults.items() if k not in ("kv_policy", "kv_budget")}
         settings = {**defaults, **req.settings, "max_new_tokens": max_tokens}
         try:
             jreq = Settings.build(self.params, **settings)
@@ -362,6 +409,85 @@ class Server:
                 code="context_length_exceeded",
             )
         return ids, settings, jreq
+
+    async def _create_context(self, request):
+        """`POST /v1/contexts`: `model`, `prompt` or `messages`, `kv_policy`, `kv_budget`,
+        `ttl` -> the context object, once the engine prefilled (and compressed) it."""
+        tenant = self._tenant(request)
+        if self.stopping.is_set():
+            raise self.stop_error
+        raw = await body.read(request, self.max_body_bytes, self.request_timeout)
+        ids, settings, ttl = await asyncio.to_thread(self._prepare_context, raw)
+        self._admit(len(ids))
+        try:
+            kv = await self._prefill(ids, settings)
+        finally:
+            self.queued_requests -= 1
+            self.queued_tokens -= len(ids)
+        name = getattr(kv.policy, "name", None) or "full"
+        entry = self.contexts.add(tenant, ids, settings, name, kv, ttl)
+        return entry.describe()
+
+    def _prepare_context(self, raw: bytes):
+        """A context's body -> (its token ids, its KV settings, its ttl), or 400."""
+        data = body.loads(raw)
+        if not isinstance(data, dict):
+            raise oa.bad(None, "expected a JSON object")
+        if data.get("model") != self.name:
+            raise oa.APIError(
+                400,
+                f"model={data.get('model')!r}: this server serves {self.name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        kind = "chat" if "messages" in data else "completion"
+        if kind == "chat" and "prompt" in data:
+            raise oa.bad("prompt", "give prompt or messages, not both")
+        if kind == "chat":
+            messages = oa.messages_of(data)
+            text = oa.render_chat(messages, self.chat_template, self.special, generation=False)
+        else:
+            text = oa.prompt_of(data)
+        try:
+            ids = prompt_ids(self.params, text, None, special=kind != "chat")
+        except ValueError as e:
+            raise oa.bad("messages" if kind == "chat" else "prompt", str(e)) from None
+        if len(ids) >= self.engine.max_model_len:
+            raise oa.bad(
+                "prompt",
+                f"the context is {len(ids)} tokens; this model serves {self.engine.max_model_len}"
+                " (context, question and answer together)",
+                code="context_length_exceeded",
+            )
+        settings = oa.jkv_settings(data)
+        if "kv_policy" not in settings:
+            settings = {**{k: v for k, v in self.defaults.items()
+                           if k in ("kv_policy", "kv_budget")}, **settings}  # fmt: skip
+        try:
+            Settings.build(self.params, **settings)
+        except ValueError as e:
+            raise oa.bad(oa.param_of(str(e), settings), str(e)) from None
+        return ids, settings, ttl_of(data)
+
+    async def _prefill(self, ids, settings):
+        """The context of `ids` (a `jkv.KVContext`), prefilled by the engine's step."""
+        rid = f"ctx-prefill-{uuid.uuid4().hex}"
+        outputs = self.engine.stream(ids, request_id=rid, prefill_only=True, **settings)
+        try:
+            async for out in outputs:
+                if out.finished and out.context is not None:
+                    return out.context
+        except ValueError as e:  # the engine's own checks (a policy it cannot read out, ...)
+            raise oa.bad(oa.param_of(str(e), settings), str(e)) from None
+        raise oa.internal_error(RuntimeError("the context's prefill ended without its KV"))
+
+    async def _context_kv(self, entry):
+        """`entry`'s KV: from host RAM, or prefilled again from its tokens (evicted)."""
+        kv = self.contexts.take(entry)
+        if kv is None:
+            kv = await self._prefill(list(entry.tokens), entry.settings)
+            self.contexts.put(entry, kv)
+        return kv
 
     async def _lookup(self, req, jreq, ids, rec):
         """The response cache's hit (a `Lookup`), or the `Miss` the answer fills; None when
