@@ -430,6 +430,7 @@ def _run_with(args, defaults, keys, cache, events, log, link=None) -> int:
         protect_health_metrics=args.protect_health_metrics,
         context_host_bytes=args.context_host_bytes,
         max_context_bytes_per_tenant=args.max_context_bytes_per_tenant,
+        context_redis_url=args.redis_url,
     )
     if link is not None:  # the leader: its engine's steps are the group's
         link.attach(engine)

@@ -44,7 +44,7 @@ from jkv.response_cache.miss import Lookup
 from jkv.serve import auth, body
 from jkv.serve import openai as oa
 from jkv.serve.answer import Answer, stopped
-from jkv.serve.contexts import ContextStore, ttl_of
+from jkv.serve.contexts import ContextStore, RedisContexts, ttl_of
 from jkv.serve.metrics import Observability, RequestRecord
 from jkv.tokenizer import read_chat_template
 
@@ -85,6 +85,8 @@ class Server:
         context_host_bytes: host RAM for the KV of contexts (`POST /v1/contexts`); past it the
             least recently used one's KV is dropped and prefilled again when next named.
         max_context_bytes_per_tenant: the KV bytes one tenant's contexts may hold (None: any).
+        context_redis_url: Redis (or a Redis Cluster) where contexts are written too, and read
+            from when this server does not hold them: replicas on one Redis share contexts.
     """
 
     def __init__(
@@ -108,6 +110,7 @@ class Server:
         span_exporter=None,
         context_host_bytes: int = 1 << 30,
         max_context_bytes_per_tenant: int | None = None,
+        context_redis_url: str | None = None,
     ):
         for name, value in (("max_queued_requests", max_queued_requests),
                             ("max_queued_tokens", max_queued_tokens),
@@ -144,7 +147,10 @@ class Server:
         self.queued_tokens = 0
         self.in_flight = 0
         self.created = int(time.time())
-        self.contexts = ContextStore(context_host_bytes, max_context_bytes_per_tenant)
+        redis = None
+        if context_redis_url is not None:
+            redis = RedisContexts(context_redis_url, params.version)
+        self.contexts = ContextStore(context_host_bytes, max_context_bytes_per_tenant, redis=redis)
         self.app = self._build()
 
     # -- the app ----------------------------------------------------------------------------
@@ -248,11 +254,12 @@ class Server:
 
         @app.get("/v1/contexts/{context_id}")
         async def get_context(context_id: str, request: Request):
-            return self.contexts.get(context_id, self._tenant(request)).describe()
+            tenant = self._tenant(request)
+            return (await asyncio.to_thread(self.contexts.get, context_id, tenant)).describe()
 
         @app.delete("/v1/contexts/{context_id}")
         async def delete_context(context_id: str, request: Request):
-            self.contexts.delete(context_id, self._tenant(request))
+            await asyncio.to_thread(self.contexts.delete, context_id, self._tenant(request))
             return {"id": context_id, "object": "context.deleted", "deleted": True}
 
         return app
@@ -425,7 +432,7 @@ class Server:
             self.queued_requests -= 1
             self.queued_tokens -= len(ids)
         name = getattr(kv.policy, "name", None) or "full"
-        entry = self.contexts.add(tenant, ids, settings, name, kv, ttl)
+        entry = await asyncio.to_thread(self.contexts.add, tenant, ids, settings, name, kv, ttl)
         return entry.describe()
 
     def _prepare_context(self, raw: bytes):
@@ -483,7 +490,7 @@ class Server:
 
     async def _context_kv(self, entry):
         """`entry`'s KV: from host RAM, or prefilled again from its tokens (evicted)."""
-        kv = self.contexts.take(entry)
+        kv = await asyncio.to_thread(self.contexts.take, entry)
         if kv is None:
             kv = await self._prefill(list(entry.tokens), entry.settings)
             self.contexts.put(entry, kv)

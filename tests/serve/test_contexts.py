@@ -143,3 +143,55 @@ def test_compressed_contexts_leave_host_ram_and_come_back_with_the_same_answers(
         ask(ids[OTHER])
     assert len(server.contexts) == 0 and server.contexts.ram_bytes == 0
     assert server.engine.pool.used_pages == 0
+
+
+def test_two_servers_on_one_redis_share_contexts_and_survive_its_failures(
+    serve, demo_params, redis_server
+):
+    """A context made on server A is answered by server B from Redis, without prefilling it
+    (the same answer); a corrupted chunk is refused by its checksum and B prefills it again;
+    Redis killed: A still makes and answers contexts, B prefills what it had read, no request
+    fails; another tenant's id is not found on B either."""
+    import redis
+
+    a = serve(Server(demo_params, small_engine(demo_params), api_keys=KEYS,
+                     context_redis_url=redis_server.url))  # fmt: skip
+    b = serve(Server(demo_params, small_engine(demo_params), api_keys=KEYS,
+                     context_redis_url=redis_server.url))  # fmt: skip
+    made = _post(a, "sk-alice", prompt=DOC, kv_policy="snapkv", kv_budget=0.25)
+    assert made.status_code == 200, made.text
+    cid = made.json()["id"]
+    question = _ids(demo_params, QUESTION, special=False)
+    state = jkv.prefill(demo_params, _ids(demo_params, DOC), kv_policy="snapkv", kv_budget=0.25)
+    want = jkv.generate(demo_params, question, kv_state=state, max_new_tokens=8, temperature=0.0)
+
+    def ask(running, key="sk-alice"):
+        return _client(running, key).completions.create(
+            model="jkv-demo", prompt=QUESTION, max_tokens=8, temperature=0,
+            extra_body={"context": cid},
+        ).choices[0].text  # fmt: skip
+
+    assert ask(b) == want.text
+    got = httpx.get(f"{b.url}/v1/contexts/{cid}", headers={"authorization": "Bearer sk-alice"})
+    assert got.json() == made.json()
+    sb = b.server.contexts.stats
+    assert (sb.redis_hits, sb.recomputed) == (1, 0)
+    with pytest.raises(openai.NotFoundError):
+        ask(b, "sk-bob")
+
+    # a corrupted chunk: refused by its checksum, prefilled again, the same answer
+    client = redis.Redis.from_url(redis_server.url)
+    [chunk] = [k for k in client.keys(f"jkv:ctx:{{{cid}}}:*:0")]
+    client.setrange(chunk, 100, b"\x00garbage\x00")
+    b.server.contexts.get(cid, "alice").kv = None  # out of B's RAM: read Redis again
+    b.server.contexts._in_ram.clear()
+    assert ask(b) == want.text
+    assert (sb.refused, sb.recomputed) == (1, 1)
+
+    # Redis killed: nothing fails
+    redis_server.kill()
+    other = _post(a, "sk-alice", prompt=OTHER)  # made, Redis's write logged and skipped
+    assert other.status_code == 200
+    assert ask(a) == want.text and ask(b) == want.text
+    assert a.server.contexts.stats.redis_errors >= 1
+    assert a.server.engine.pool.used_pages == 0 and b.server.engine.pool.used_pages == 0
