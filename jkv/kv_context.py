@@ -19,6 +19,7 @@ and refuses data of another schema, or cut short, with a clear error.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import ClassVar
 
 import jax.numpy as jnp
@@ -79,10 +80,15 @@ class KVContext:
         """Its one row as the engine's pool takes it (`jkv.engine.runner.write_context`): the
         slots each head holds `[L * K]` int32 (head h = layer * K + kv head), and the per-slot
         arrays by the pool's names, `k`, `v` `[L * K, S, H]`, `positions` and fp8 scales
-        `[L * K, S]`, S the largest layer's capacity as a power of two (few compiled shapes)."""
+        `[L * K, S]`, S the most any head holds as a power of two (few compiled shapes).
+        Made once per context (every request that continues it takes the same arrays)."""
+        return self._pool_slots
+
+    @functools.cached_property
+    def _pool_slots(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         layers = self.state.layers
-        s = kvlib.bucket(max(layer.capacity for layer in layers))
         counts = np.concatenate([np.asarray(layer.lengths)[0] for layer in layers])
+        s = kvlib.bucket(max(1, int(counts.max())))  # what the heads hold, not the capacity
         scaled = layers[0].k_scale is not None
         names = ["k", "v", "positions"] + (["k_scale", "v_scale"] if scaled else [])
         slots = {}
@@ -91,7 +97,8 @@ class KVContext:
             out = np.zeros((len(counts), s, *parts[0].shape[2:]), parts[0].dtype)
             at = 0
             for part in parts:
-                out[at : at + part.shape[0], : part.shape[1]] = part
+                n = min(s, part.shape[1])  # a layer's capacity may be smaller (PyramidKV)
+                out[at : at + part.shape[0], :n] = part[:, :n]
                 at += part.shape[0]
             slots[name] = out
         return counts.astype(np.int32), slots
