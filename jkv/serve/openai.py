@@ -9,7 +9,8 @@ Defaults follow OpenAI's API: `temperature` 1, `top_p` 1, `max_tokens` 16 for co
 "the rest of the context" for chat. jkv's own settings ride in the same body (the `openai`
 client's `extra_body`): `kv_policy`, `kv_budget`, `logit_keep_ratio`, `top_k`, `min_p`, and
 `cache_salt`, which narrows the tenant's prefix-cache pages and cached responses to the
-requests that send it (the tenant itself is the API key's, decided by the server).
+requests that send it (the tenant itself is the API key's, decided by the server), and
+`context`, a kept context's id (`POST /v1/contexts`) whose tokens come before the prompt.
 
 A sampled request (temperature > 0) without a `seed` gets a fresh random seed and is never
 answered from the response cache; a greedy one, or one with a seed, is deterministic.

@@ -4,8 +4,10 @@
     uvicorn.run(server.app, port=8000)     # or: jkv serve demo --port 8000
 
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (both with `stream: true` as
-server-sent events ending with `data: [DONE]`), `GET /v1/models`, `GET /health`,
-`GET /metrics` (Prometheus), `GET /openapi.json` (the schema; behind the key as the API is).
+server-sent events ending with `data: [DONE]`, and `context: "<id>"` to start from a kept
+context), `POST /v1/contexts`, `GET` / `DELETE /v1/contexts/{id}` (`contexts.py`),
+`GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus), `GET /openapi.json` (the schema;
+behind the key as the API is).
 
 A request's way: its API key -> the tenant (401 without one, when keys are set; `auth.py`) ->
 the body, bounded (408 / 413 / 415; `body.py`) -> in a worker thread: JSON (depth-checked), `openai.
