@@ -31,6 +31,8 @@ from collections import OrderedDict
 
 import msgpack
 
+from jkv.kv_context import KVContext
+from jkv.response_cache.connect import connect
 from jkv.serve import openai as oa
 
 LOG = logging.getLogger("jkv.serve")
@@ -83,8 +85,6 @@ class RedisContexts:
     `...:<i>` the KV's chunks (one hash slot per context: its keys live on one cluster node)."""
 
     def __init__(self, url: str, weights: str, timeout_s: float = 2.0):
-        from jkv.response_cache.connect import connect
-
         self.client = connect(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self.weights = weights
 
@@ -252,8 +252,6 @@ class ContextStore:
         return None
 
     def _from_redis(self, entry: Entry):
-        from jkv.kv_context import KVContext
-
         try:
             blob = self.redis.load(entry)
             if blob is None:
