@@ -170,13 +170,14 @@ LAYERS = {
 
 ENGINE_ARRAY_FILES = ("runner.py", "ragged.py", "engine.py", "warmup.py", "recovery.py",
                       "policy_steps.py", "select.py", "replay.py", "rebuild.py", "programs.py",
-                      "pool_size.py", "lockstep.py")  # fmt: skip
+                      "pool_size.py", "lockstep.py", "context_steps.py")  # fmt: skip
 
 
 def test_the_engines_bookkeeping_is_plain_python():
     """ARCHITECTURE.md: the engine's pool, sequences and scheduler work on ints; arrays appear
     only in its runners (the gathering one and the flattened step) and the engine that hands
-    them over (engine.py and the parts it is made of: its warmup, recovery and policy steps)."""
+    them over (engine.py and the parts it is made of: its warmup, recovery, policy and context
+    steps)."""
     arrays = {"jax", "jaxlib", "flax", "numpy"}
     found = {
         f: sorted(names & arrays)

@@ -55,9 +55,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jkv import kv as kvlib
 from jkv.core.sampling import SamplingArrays
 from jkv.engine.ahead import PLACEHOLDER, Ahead, AsyncSteps
+from jkv.engine.context_steps import ContextSteps
 from jkv.engine.lockstep import read, run
 from jkv.engine.page_pool import PagePool
 from jkv.engine.plan import bucket, most_tokens
@@ -68,12 +68,11 @@ from jkv.engine.rebuild import lowrank_slots
 from jkv.engine.recovery import Recovery
 from jkv.engine.replay import scratch_tokens
 from jkv.engine.request_output import RequestOutput, Row
-from jkv.engine.runner import RowTables, empty_pool, read_row, set_rows, write_context
+from jkv.engine.runner import RowTables, empty_pool, set_rows
 from jkv.engine.scheduler import Scheduler
 from jkv.engine.sequence import Sequence, Status
 from jkv.engine.streams import RequestFailed, Streams
 from jkv.engine.warmup import Warmup
-from jkv.kv_context import KVContext
 from jkv.memory import page_bytes
 from jkv.output import RowOutput
 from jkv.params import Params
@@ -84,7 +83,7 @@ from jkv.sharding import kv_head_parallel
 __all__ = ["Engine", "RequestFailed", "RequestOutput"]
 
 
-class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
+class Engine(Streams, AsyncSteps, PolicySteps, ContextSteps, Recovery, Warmup):
     def __init__(
         self,
         params: Params,
@@ -321,39 +320,6 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
         self._post(("add", seq, row))
         return rid
 
-    def _context(self, ctx) -> tuple[np.ndarray, dict]:
-        """`ctx`'s slots as the pool takes them (`KVContext.pool_slots`), once it is known to be
-        a one-row context of these weights, shape and kv dtype that the engine can continue."""
-        if not isinstance(ctx, KVContext):
-            raise ValueError(
-                f"kv_state is a {type(ctx).__name__}; expected the jkv.KVContext that "
-                "jkv.prefill returned"
-            )
-        if ctx.batch_size != 1:
-            raise ValueError(
-                f"kv_state holds {ctx.batch_size} rows; a request continues one (jkv.prefill of "
-                "one prompt)"
-            )
-        ctx.check(self.params, 1, self.kv_dtype)
-        policy, layer = ctx.policy, ctx.layers[0]
-        if policy is not None and (policy.evicts or policy.raw_keys):
-            raise ValueError(
-                f"kv_state was prefilled with kv_policy={policy.name!r}, which evicts as it "
-                "decodes; the engine continues contexts of policies that select once (SnapKV, "
-                "KVzip, ...) or of a full cache"
-            )
-        if layer.lowrank is not None or layer.bias is not None:
-            raise ValueError(
-                f"kv_state was prefilled with kv_policy={policy.name!r}, whose merged or "
-                "low-rank slots the engine's pages do not hold; continue it with jkv.generate"
-            )
-        if int(np.asarray(ctx.state.next_position)[0]) != len(ctx.tokens[0]):
-            raise ValueError(
-                f"kv_state's next position {int(np.asarray(ctx.state.next_position)[0])} is "
-                f"not its {len(ctx.tokens[0])} tokens: a context that was continued already"
-            )
-        return ctx.pool_slots()
-
     def _check_length(self, ids, req) -> None:
         context = self.params.config.max_position_embeddings
         longest = len(ids) + req.max_new_tokens - 1
@@ -550,53 +516,6 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
             out.context = contexts.get(out.request_id)
         return outs
 
-    def _ends_prefill(self, r) -> bool:
-        """Whether `r`'s step ends a prefill-only prompt (its KV is read out after it)."""
-        return r.seq.prefill_only and r.start + r.n == len(r.seq.prompt)
-
-    def _read_context(self, seq) -> KVContext:
-        """`seq`'s held slots (its prompt's, compressed or not) as a `jkv.KVContext`: each
-        layer's kept K, V, positions and fp8 scales per kv head, as `jkv.prefill` returns them."""
-        cfg, group = self.params.config, self.scheduler.group
-        self._sync_rows()
-        table = np.zeros(self.rows.width, np.int32)
-        table[: len(seq.blocks)] = seq.blocks
-        base = np.asarray(seq.base if seq.compressed else [0] * group, np.int32)
-        n_prefix = seq.n_prefix if seq.compressed else 0
-        held = seq.held(group)
-        out = run(self.lockstep, read_row, self.device, table, base, np.int32(n_prefix),
-                  np.int32(seq.tail), slots=bucket(max(held)))  # fmt: skip
-        out = {name: read(self.lockstep, x) for name, x in out.items()}
-        lengths = np.asarray(held, np.int32).reshape(cfg.num_layers, 1, cfg.num_kv_heads)
-        layers = []
-        for layer in range(cfg.num_layers):
-            part = {n: jnp.asarray(np.expand_dims(np.split(x, cfg.num_layers)[layer], 0))
-                    for n, x in out.items()}  # fmt: skip
-            layers.append(kvlib.LayerKV(lengths=jnp.asarray(lengths[layer]), **part))
-        n = len(seq.prompt)
-        state = kvlib.KVState(
-            layers=tuple(layers),
-            next_position=jnp.asarray([n], jnp.int32),
-            limit=jnp.asarray([kvlib.NO_LIMIT], jnp.int32),
-            dtype=self.kv_dtype,
-            policy=self._rows[seq.request_id].context_policy,
-        )
-        return KVContext(state=state, tokens=(tuple(seq.prompt),), weights=self.params.version)
-
-    def prefill(self, prompt, **settings) -> KVContext:
-        """`prompt` through the engine (with `add_request`'s settings: a KV policy and budget,
-        a `kv_state` it continues), its KV read out once its policy compressed it: the
-        `jkv.KVContext` `jkv.prefill` would return, from the engine's step. Runs the engine's
-        other requests meanwhile (as `generate` does). Raises RequestFailed if a step fails it."""
-        rid = self.add_request(prompt, prefill_only=True, **settings)
-        while True:
-            for out in self.step():
-                if out.request_id != rid or not out.finished:
-                    continue
-                if out.error is not None or out.context is None:
-                    raise RequestFailed(rid, out.error or f"it ended ({out.finish_reason})")
-                return out.context
-
     def _output(self, seq, finished: bool, cached: int, held: int, end=None) -> RequestOutput:
         """What a step did for `seq`: the tokens it sampled since the last output (of its first
         `end` only: those read back); a stop string among them ends the request here (also if
@@ -614,16 +533,6 @@ class Engine(Streams, AsyncSteps, PolicySteps, Recovery, Warmup):
             self._forget(rid)
         return RequestOutput(rid, tokens, finished, reason, cached, text, seq.first_scheduled,
                              held, seq.preemptions)  # fmt: skip
-
-    def _write_contexts(self, seqs) -> None:
-        """The KV contexts of the sequences just admitted with one, into their prefixes (before
-        the step that reads them: the pool's updates run in order)."""
-        self._sync_rows()
-        for seq in seqs:
-            counts, slots = self._rows[seq.request_id].context
-            table = np.zeros(self.rows.width, np.int32)
-            table[: len(seq.blocks)] = seq.blocks
-            self.device = run(self.lockstep, write_context, self.device, table, counts, slots)
 
     def _sync_rows(self) -> None:
         """Tells the device the block rows the host changed since the last call."""
